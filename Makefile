@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default) and `make test`.
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+export MLFLOW_DISABLE_TELEMETRY := true
+
+.PHONY: install demo test test-fast server bench clean
+
+$(BIN)/slmsql: pyproject.toml
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the pinned CPU/CUDA-agnostic wheel, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/slmsql
+
+demo: install
+	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \
+	  --predictions examples/predictions.jsonl --output-dir outputs/demo-evaluate --overwrite
+
+test: install
+	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+server: install
+	$(BIN)/slmsql server
+
+bench: install
+	$(BIN)/python bench/scoring.py
+
+clean:
+	rm -rf outputs mlruns mlflow.db mlartifacts

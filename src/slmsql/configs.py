@@ -1,0 +1,267 @@
+"""One config system for the CLI, MLproject and recipes.
+
+Each stage's parameters are a dataclass; each field carries its help text. From that single definition:
+- the CLI options (`slmsql <stage> --field-name ...`) are generated (`cli.py`),
+- MLproject's typed parameters are generated (`slmsql mlproject`, checked in sync by a test),
+- YAML recipes under `recipes/` set any field by name.
+Precedence: field default < recipe < command-line value. A command-line value equal to the field's
+default does not override a recipe, because `mlflow run` passes every MLproject parameter, defaults included.
+`trainer_args` passes any further TRL config field (GRPOConfig / SFTConfig) through untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import DataError, SlmsqlError
+
+
+def opt(default, help: str, **meta):
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class Common:
+    output_dir: str = opt("outputs/run", "Folder for this stage's outputs (refused if not empty unless --overwrite).")
+    overwrite: bool = opt(False, "Allow writing into a non-empty output folder.")
+    experiment: str = opt("slmsql", "MLflow experiment name.")
+    run_name: str = opt("", "MLflow run name (default: the stage name).")
+    seed: int = opt(0, "Random seed for sampling and training.")
+
+
+@dataclass
+class Workers:
+    timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
+    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core).")
+    match: str = opt("bird", "Answer matching: bird (set semantics) or spider (test-suite multiset semantics).",
+                     choices=("bird", "spider"))
+
+
+@dataclass
+class Model:
+    model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
+    adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
+    batch_size: int = opt(16, "Prompts per generation batch.")
+    max_new_tokens: int = opt(128, "Generation budget per completion.")
+    backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed).",
+                       choices=("transformers", "vllm"))
+    example_values: int = opt(2, "Example values per column in the schema prompt.")
+
+
+@dataclass
+class ToyConfig(Common):
+    size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
+    output_dir: str = opt("outputs/toy", "Folder for the toy world.")
+
+
+@dataclass
+class TinyModelConfig(Common):
+    data: str = opt("outputs/toy", "Toy world folder whose texts train the tokenizer.")
+    output_dir: str = opt("outputs/tiny-model", "Folder for the model and tokenizer.")
+    vocab_size: int = opt(2000, "BPE vocabulary size.")
+    hidden: int = opt(128, "Hidden size.")
+    layers: int = opt(2, "Decoder layers.")
+    heads: int = opt(4, "Attention heads.")
+    ffn: int = opt(512, "Feed-forward size.")
+
+
+@dataclass
+class EvaluateConfig(Model, Workers, Common):
+    data: str = opt("", "Gold file: canonical JSONL, or BIRD/Spider dev.json.", required=True)
+    db_root: str = opt("", "Folder holding <db_id>/<db_id>.sqlite.", required=True)
+    predictions: str = opt("", "Score this predictions JSONL ({id, sql} or {id, completion}) instead of a model.")
+    baseline_run: str = opt("", "MLflow run id of the baseline evaluation for the paired comparison.")
+    alpha: float = opt(0.05, "Significance level of the paired test.")
+    dataset_name: str = opt("", "Dataset name for tags and the card (default: the data file's stem).")
+    output_dir: str = opt("outputs/evaluate", "Folder for results.jsonl, metrics.json, predictions.jsonl.")
+
+
+@dataclass
+class Lora:
+    use_lora: bool = opt(True, "Train a LoRA adapter (else full fine-tuning).")
+    lora_r: int = opt(32, "LoRA rank.")
+    lora_alpha: int = opt(64, "LoRA alpha (scale).")
+    lora_dropout: float = opt(0.05, "LoRA dropout.")
+    target_modules: str = opt("all-linear", "LoRA target modules (comma-separated, or all-linear).")
+    trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_ratio=0.1 bf16=true'.")
+
+
+@dataclass
+class SFTStageConfig(Lora, Common):
+    data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
+    db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
+    model: str = opt("outputs/tiny-model", "Base model: Hub id or local path.")
+    base_adapter: str = opt("", "Continue training this adapter (a previous SFT stage).")
+    use_lora: bool = opt(False, "Train a LoRA adapter (else full fine-tuning; the tiny model trains fully).")
+    learning_rate: float = opt(3e-3, "Peak learning rate.")
+    max_steps: int = opt(1500, "Optimizer steps.")
+    per_device_train_batch_size: int = opt(16, "Batch size.")
+    max_length: int = opt(384, "Truncate prompt+completion to this many tokens.")
+    example_values: int = opt(2, "Example values per column in the schema prompt.")
+    output_dir: str = opt("outputs/sft", "Folder for the trained policy.")
+
+
+@dataclass
+class FilterConfig(Model, Workers, Common):
+    data: str = opt("outputs/toy/rl_source.jsonl", "Source questions in gold format.")
+    db_root: str = opt("outputs/toy/databases", "Database folder.")
+    k: int = opt(8, "Samples per question.")
+    low: float = opt(0.2, "Band lower bound (exclusive).")
+    high: float = opt(0.8, "Band upper bound (exclusive).")
+    temperature: float = opt(0.8, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling p.")
+    output_dir: str = opt("outputs/filter", "Folder for band.jsonl, passrates.jsonl, summary.json.")
+
+
+@dataclass
+class GRPOStageConfig(Lora, Workers, Common):
+    data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
+    db_root: str = opt("outputs/toy/databases", "Database folder.")
+    model: str = opt("outputs/sft", "Base model: Hub id or local path.")
+    base_adapter: str = opt("", "SFT adapter to start from.")
+    adapter_mode: str = opt("continue", "continue: train the base adapter further; stack: merge it, train a new one.",
+                            choices=("continue", "stack"))
+    rewards: str = opt("execution,format", "Comma-separated reward names from the registry.")
+    reward_weights: str = opt("", "Comma-separated weights, one per reward (default: all 1).")
+    runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
+    format_tier: float = opt(0.2, "Format reward for a ```sql block.")
+    num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
+    per_device_train_batch_size: int = opt(8, "Completions per device batch (multiple of num_generations).")
+    gradient_accumulation_steps: int = opt(1, "Gradient accumulation steps.")
+    learning_rate: float = opt(1e-6, "Peak learning rate.")
+    lr_scheduler_type: str = opt("cosine", "Learning-rate schedule.")
+    beta: float = opt(0.0, "KL coefficient (0: no reference model).")
+    epsilon: float = opt(0.2, "PPO clip epsilon.")
+    temperature: float = opt(0.8, "Sampling temperature.")
+    max_steps: int = opt(400, "Optimizer steps.")
+    max_completion_length: int = opt(256, "Generation budget per completion.")
+    logging_steps: int = opt(1, "Log metrics every N steps.")
+    save_steps: int = opt(50, "Checkpoint every N steps.")
+    completions_every: int = opt(10, "Log sampled completions as an MLflow table every N steps.")
+    example_values: int = opt(2, "Example values per column in the schema prompt.")
+    resume: bool = opt(False, "Resume from the last checkpoint in output_dir, in the same MLflow run.")
+    output_dir: str = opt("outputs/grpo", "Folder for checkpoints and the final adapter.")
+
+
+@dataclass
+class PublishConfig(Common):
+    grpo_run: str = opt("", "MLflow run id of the GRPO run.", required=True)
+    eval_runs: str = opt("", "Comma-separated MLflow run ids of evaluation runs.")
+    filter_run: str = opt("", "MLflow run id of the filter run.")
+    repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
+    private: bool = opt(False, "Create the Hub repo private.")
+    dry_run: bool = opt(False, "Write the folder that would be pushed; push nothing.")
+    endpoint: str = opt("", "Hub endpoint (default: HF_ENDPOINT or huggingface.co).")
+    license: str = opt("apache-2.0", "License in the card metadata.")
+    registered_model: str = opt("", "MLflow registered model name (default: from repo id; 'none' to skip).")
+    alias: str = opt("candidate", "Registry alias for the new version.")
+    output_dir: str = opt("outputs/publish", "Folder for the card and the pushed files.")
+
+
+@dataclass
+class ValidateConfig(Common):
+    kind: str = opt("rl", "Which suite: rl (filter output) or eval (an eval set).", choices=("rl", "eval"))
+    data: str = opt("", "File to validate.", required=True)
+    db_root: str = opt("", "Database folder.", required=True)
+    summary: str = opt("", "The filter's summary.json (rl): bucket counts must add up.")
+    eval_sets: str = opt("", "Comma-separated eval files whose questions the RL set must not share.")
+    low: float = opt(0.2, "Band lower bound (rl).")
+    high: float = opt(0.8, "Band upper bound (rl).")
+    output_dir: str = opt("outputs/validate", "Folder for the validation report.")
+
+
+STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
+          "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
+          "validate": ValidateConfig}
+
+
+def fields(cls):
+    return dataclasses.fields(cls)
+
+
+def parse_trainer_args(value) -> dict:
+    """'a=1 b=true c=x' (or a dict) -> {'a': 1, 'b': True, 'c': 'x'}; values parsed as YAML scalars."""
+    if isinstance(value, dict):
+        return dict(value)
+    out = {}
+    for item in str(value or "").replace(",", " ").split():
+        if "=" not in item:
+            raise SlmsqlError(f"trainer_args: expected key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _coerce(cls, name: str, value, source):
+    f = {f.name: f for f in fields(cls)}[name]
+    hint = typing.get_type_hints(cls)[name]
+    try:
+        if hint is dict:
+            return parse_trainer_args(value)
+        if hint is bool and isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if hint is int and isinstance(value, (str, float)) and float(value).is_integer():
+            value = int(float(value))  # MLproject has no int type: "8.0" and "8" both mean 8
+        value = hint(value) if value is not None else value
+    except (TypeError, ValueError):
+        raise DataError(f"expected {hint.__name__}, got {value!r}", source, field=name) from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise DataError(f"must be one of {list(choices)}, got {value!r}", source, field=name)
+    return value
+
+
+def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True):
+    """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring)."""
+    names = {f.name for f in fields(cls)}
+    values = {}
+    if recipe:
+        path = Path(recipe)
+        if not path.is_file():
+            raise DataError("recipe not found", path)
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
+        if not isinstance(doc, dict):
+            raise DataError("a recipe is a mapping of field: value", path)
+        for k, v in doc.items():
+            if k not in names:
+                raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
+            values[k] = _coerce(cls, k, v, path)
+    defaults = cls()
+    for k, v in (cli or {}).items():
+        if v is None:
+            continue
+        v = _coerce(cls, k, v, "command line")
+        if k == "trainer_args":
+            values[k] = {**values.get(k, {}), **v}
+        elif k not in values or v != getattr(defaults, k):
+            values[k] = v
+    cfg = cls(**values)
+    missing = [f.name for f in fields(cls) if f.metadata.get("required") and not getattr(cfg, f.name)]
+    if missing and require:
+        raise SlmsqlError(f"missing required option(s): {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    return cfg
+
+
+def to_params(cfg) -> dict:
+    """Flat str -> str params for MLflow (trainer_args flattened as trainer_args.<key>)."""
+    out = {}
+    for k, v in dataclasses.asdict(cfg).items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": json.dumps(vv) for kk, vv in v.items()})
+        else:
+            out[k] = str(v)
+    return out

@@ -1,0 +1,262 @@
+"""Load a causal LM (Hub id or local path, optional PEFT adapter) and build a tiny offline Qwen2 for tests.
+
+Adapter/base matching rule (`check_adapter_base`): the adapter's `adapter_config.json` records
+`base_model_name_or_path`. Each side is expanded into the names it is known by, lower-cased, trailing `/`
+dropped: the string itself; for an existing local directory also its real path, the `_name_or_path` /
+`name_or_path` in its `config.json` when present, and `org/name` when it is a Hub cache snapshot
+(`.../models--org--name/snapshots/...`). The two match when those sets share a name. Otherwise, unless both
+sides are existing local directories (two different local checkpoints), the last path component decides, so
+`/models/Qwen2.5-Coder-1.5B-Instruct` matches `Qwen/Qwen2.5-Coder-1.5B-Instruct`. A missing
+`base_model_name_or_path` cannot be checked and is let through with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from slmsql.errors import SlmsqlError
+
+log = logging.getLogger(__name__)
+
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+# ChatML as Qwen renders it, minus Qwen's injected default system prompt and tool-calling branches.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _norm(name: str) -> str:
+    return str(name).strip().rstrip("/").lower()
+
+
+def _looks_local(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else is meant as a path and must not trigger Hub retries.
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+
+
+def _names(name: str) -> tuple[set[str], bool]:
+    """The names a model is known by (see the module docstring) and whether it is a local directory."""
+    path = Path(name).expanduser()
+    names = {_norm(name)}
+    local = path.is_dir()
+    if local:
+        names.add(_norm(path.resolve()))
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        names |= {_norm(config[k]) for k in ("_name_or_path", "name_or_path") if config.get(k)}
+    for n in list(names):
+        if m := re.search(r"models--([^/]+)--([^/]+)", n):
+            names.add(f"{m[1]}/{m[2]}")
+    return names, local
+
+
+def _adapter_config(adapter: str) -> dict:
+    path = Path(adapter).expanduser()
+    if path.is_dir():
+        file = path / "adapter_config.json"
+        if not file.is_file():
+            raise SlmsqlError(f"adapter '{adapter}': no adapter_config.json in that directory (not a PEFT adapter)")
+        try:
+            return json.loads(file.read_text())
+        except ValueError as e:
+            raise SlmsqlError(f"adapter '{adapter}': adapter_config.json is not valid JSON: {e}") from e
+    if _looks_local(adapter):
+        raise SlmsqlError(f"adapter '{adapter}': directory not found")
+    from peft import PeftConfig
+
+    try:
+        return PeftConfig.from_pretrained(adapter).to_dict()
+    except Exception as e:  # peft raises ValueError/OSError/HTTP errors depending on what went wrong
+        raise SlmsqlError(f"adapter '{adapter}': not a local directory and not loadable from the Hub ({e})") from e
+
+
+def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> None:
+    """Raise SlmsqlError if `adapter` is missing or was trained on a base other than `model`. Loads no weights."""
+    adapter, model = str(adapter), str(model)
+    base = _adapter_config(adapter).get("base_model_name_or_path")
+    if not base:
+        log.warning("adapter %s records no base_model_name_or_path; cannot check it matches %s", adapter, model)
+        return
+    (a_names, a_local), (m_names, m_local) = _names(base), _names(model)
+    if a_names & m_names:
+        return
+    if not (a_local and m_local) and {PurePosixPath(n).name for n in a_names} & {PurePosixPath(n).name for n in m_names}:
+        return
+    raise SlmsqlError(
+        f"adapter '{adapter}' was trained on base model '{base}', not on '{model}'; "
+        f"load it with model '{base}' (names are compared case-insensitively, by last path component "
+        "unless both are local directories)"
+    )
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise SlmsqlError(f"unknown dtype '{dtype}' (use auto, bfloat16, float16 or float32)")
+    return value
+
+
+def load_model(
+    model: str | os.PathLike,
+    adapter: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    trainable: bool = False,
+    merge_adapter: bool = False,
+):
+    """Return (model, tokenizer) for a Hub id or local path, with an optional PEFT adapter on top.
+
+    The tokenizer pads on the left (generation) and falls back to eos as pad token; it must carry a chat
+    template. `trainable=False` gives an eval-mode model with frozen weights; `merge_adapter` folds the
+    adapter into the base weights (inference only).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = str(model)
+    if merge_adapter and trainable:
+        raise SlmsqlError("merge_adapter=True and trainable=True contradict: a merged adapter cannot be trained")
+    if merge_adapter and adapter is None:
+        raise SlmsqlError("merge_adapter=True needs an adapter")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if adapter is not None:
+        check_adapter_base(adapter, model)
+    if not Path(model).expanduser().is_dir() and _looks_local(model):
+        raise SlmsqlError(f"model '{model}': directory not found")
+    try:
+        AutoConfig.from_pretrained(model)  # cheap: fails fast on a bad path/id before any weights are read
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise SlmsqlError(
+            f"model '{model}': not a local model directory and not loadable from the Hugging Face Hub ({e})"
+        ) from e
+    if tokenizer.chat_template is None:
+        raise SlmsqlError(f"model '{model}': its tokenizer has no chat template (an instruct/chat model is needed)")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device_map=str(device))
+    except (OSError, ValueError) as e:
+        raise SlmsqlError(f"model '{model}': cannot load weights ({e})") from e
+    if lm.generation_config.pad_token_id is None:
+        lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    if adapter is not None:
+        from peft import PeftModel
+
+        lm = PeftModel.from_pretrained(lm, str(adapter), is_trainable=trainable)
+        if merge_adapter:
+            lm = lm.merge_and_unload()
+    if trainable:
+        lm.train()
+    else:
+        lm.eval()
+        lm.requires_grad_(False)
+    return lm, tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 2000):
+    """Train a byte-level BPE (`tokenizers.Tokenizer`) whose ids survive a reload as `Qwen2Tokenizer`.
+
+    It uses exactly the normalizer (NFC) and pre-tokenizer (Qwen's split regex, which puts each digit in a
+    pre-token of its own, then byte-level) that `Qwen2Tokenizer` rebuilds on load: AutoTokenizer always loads
+    that class for model_type=qwen2, so any other pre-tokenization would change the ids after a reload.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[ENDOFTEXT, IM_START, IM_END],  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return bpe
+
+
+def build_tiny_model(
+    output_dir: str | os.PathLike,
+    texts: Iterable[str],
+    *,
+    vocab_size: int = 2000,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    ffn: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a randomly initialised Qwen2ForCausalLM (tied embeddings) and a BPE tokenizer trained on `texts`.
+
+    Pass the texts as the model will see them (chat-rendered prompts and SQL). eos is <|im_end|>, pad is
+    <|endoftext|>, the chat template is ChatML. Offline, seconds, deterministic for a given seed.
+    """
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    output_dir = Path(output_dir)
+    trained = json.loads(train_bpe(texts, vocab_size).to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=trained["vocab"], merges=merges, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None,
+        model_max_length=2048, extra_special_tokens=[IM_START, IM_END],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir

@@ -1,0 +1,73 @@
+"""Rewards in TRL's GRPOTrainer signature, registered under stable names.
+
+TRL calls `fn(prompts, completions, completion_ids, trainer_state, **dataset_columns)` and logs
+`rewards/<fn.__name__>/mean`, so each reward keeps the registry name as its `__name__`.
+Completions come as plain strings or, for conversational data, as [{"role": "assistant", "content": ...}].
+
+execution: 1.0 when the extracted SQL runs and matches gold, `runs` (0.1) when it runs but is wrong,
+           0.0 otherwise (error, timeout, truncated, rejected, no SQL). The shape Arctic-Text2SQL-R1 uses.
+format:    0.2 when the completion holds a closed ```sql block.
+Dataset columns used: `sql` (gold) and `db_path` (the SQLite file).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .extract import extract_sql, has_sql_block
+from .scoring import Outcome, judge
+
+
+@dataclass(frozen=True)
+class Tiers:
+    correct: float = 1.0
+    runs: float = 0.1
+    fails: float = 0.0
+    format: float = 0.2
+
+
+def completion_text(c) -> str:
+    if isinstance(c, list):  # conversational: the assistant turn(s)
+        return "".join(m.get("content") or "" for m in c if isinstance(m, dict))
+    return c or ""
+
+
+def outcomes(completions, sql, db_path, executor, match="bird") -> list[Outcome]:
+    """Correctness and execution status of each completion (the filter's pass rate uses this)."""
+    preds = [extract_sql(completion_text(c))[0] for c in completions]
+    return judge(zip(db_path, preds, sql), executor, match)
+
+
+def execution_tier(o: Outcome, tiers: Tiers = Tiers()) -> float:
+    if o.correct:
+        return tiers.correct
+    return tiers.runs if o.status == "ok" else tiers.fails
+
+
+def execution_reward(prompts, completions, *, sql, db_path, executor, tiers: Tiers = Tiers(), match="bird",
+                     on_outcomes=None, **_) -> list[float]:
+    outs = outcomes(completions, sql, db_path, executor, match)
+    if on_outcomes is not None:  # telemetry sink (status mix, correctness variance per group)
+        on_outcomes(outs)
+    return [execution_tier(o, tiers) for o in outs]
+
+
+def format_reward(prompts, completions, *, tiers: Tiers = Tiers(), **_) -> list[float]:
+    return [tiers.format if has_sql_block(completion_text(c)) else 0.0 for c in completions]
+
+
+REGISTRY = {"execution": execution_reward, "format": format_reward}
+
+
+def build(names, **bound):
+    """Reward callables for TRL, each with the registry name as `__name__`; unknown names fail early."""
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REGISTRY)}")
+    fns = []
+    for name in names:
+        fn = functools.partial(REGISTRY[name], **bound)
+        fns.append(functools.update_wrapper(fn, REGISTRY[name]))
+        fns[-1].__name__ = name
+    return fns

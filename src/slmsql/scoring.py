@@ -1,0 +1,107 @@
+"""Judge predicted SQL against gold SQL by execution: the one question filter, reward and evaluation share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import stats
+from .data import Example, db_path
+from .extract import extract_sql
+from .matching import results_match
+from .sandbox import ExecResult, Limits, execute
+
+# Per-example statuses: the sandbox's five, plus two that never reach SQLite.
+STATUSES = ("ok", "error", "timeout", "truncated", "rejected", "no_sql", "gold_error")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    correct: bool
+    status: str  # ok means "ran"; correct says whether it matched
+    error: str | None = None
+    pred_ms: float | None = None
+
+
+class InlineExecutor:
+    """The SandboxPool interface, run in this process: for small jobs and tests."""
+
+    def __init__(self, limits: Limits = Limits()):
+        self.limits, self._gold = limits, {}
+
+    def run(self, jobs):
+        return [execute(db, sql, self.limits) for db, sql in jobs]
+
+    def run_gold(self, jobs):
+        out = []
+        for job in jobs:
+            if job not in self._gold:
+                self._gold[job] = execute(*job, self.limits)
+            out.append(self._gold[job])
+        return out
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def judge(items, executor, match: str = "bird") -> list[Outcome]:
+    """items: (db_file, predicted sql or None, gold sql). Gold runs once per (db, sql) via the cache."""
+    items = list(items)
+    golds = executor.run_gold([(str(db), gold) for db, _, gold in items])
+    todo = [i for i, (_, pred, _) in enumerate(items) if pred is not None]
+    preds = dict(zip(todo, executor.run([(str(items[i][0]), items[i][1]) for i in todo])))
+    out = []
+    for i, ((_, pred, gold_sql), gold) in enumerate(zip(items, golds)):
+        if gold.status != "ok":
+            out.append(Outcome(False, "gold_error", f"gold {gold.status}: {gold.error}"))
+        elif pred is None:
+            out.append(Outcome(False, "no_sql"))
+        else:
+            r: ExecResult = preds[i]
+            ok = r.status == "ok" and results_match(r.rows, gold.rows, match, gold_sql)
+            out.append(Outcome(ok, r.status, r.error, round(r.elapsed_ms, 3)))
+    return out
+
+
+def score_predictions(examples: list[Example], predictions: dict[str, dict], db_root, executor,
+                      match: str = "bird") -> list[dict]:
+    """One result row per gold example. A prediction is {"sql"} or {"completion"} (raw model text)."""
+    items, hows = [], []
+    for ex in examples:
+        pred = predictions.get(ex.id)
+        if pred is None:
+            sql, how = None, "missing"
+        elif pred.get("sql") is not None:
+            sql, how = (pred["sql"].strip() or None), "sql"
+        else:
+            sql, how = extract_sql(pred.get("completion"))
+        items.append((db_path(db_root, ex.db_id), sql, ex.sql))
+        hows.append(how)
+    rows = []
+    for ex, how, (_, sql, _), o in zip(examples, hows, items, judge(items, executor, match)):
+        status = "missing" if how == "missing" else o.status
+        rows.append({"id": ex.id, "db_id": ex.db_id, "difficulty": ex.difficulty, "correct": o.correct,
+                     "status": status, "extracted_by": how, "pred_sql": sql, "error": o.error,
+                     "pred_ms": o.pred_ms})
+    return rows
+
+
+def summarize(results: list[dict], confidence: float = 0.95) -> dict:
+    """EX with its Wilson interval, per-difficulty EX, and the rate of each failure status."""
+    n = len(results)
+    k = sum(r["correct"] for r in results)
+    lo, hi = stats.wilson(k, n, confidence)
+    m = {"ex": k / n, "n": n, "n_correct": k, "ex_ci_low": lo, "ex_ci_high": hi}
+    for s in (*STATUSES[1:], "missing"):
+        m[f"rate_{s}"] = sum(r["status"] == s for r in results) / n
+    m["rate_wrong_result"] = sum(r["status"] == "ok" and not r["correct"] for r in results) / n
+    for d in sorted({r.get("difficulty") for r in results if r.get("difficulty")}):
+        sub = [r for r in results if r.get("difficulty") == d]
+        m[f"ex_{d}"] = sum(r["correct"] for r in sub) / len(sub)
+        m[f"n_{d}"] = len(sub)
+    return m

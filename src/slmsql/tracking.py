@@ -1,0 +1,72 @@
+"""MLflow set-up shared by every stage: where runs go, failing fast, and what never gets logged."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import SlmsqlError
+
+DEFAULT_URI = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working folder
+
+
+def configure() -> str:
+    """Pick the tracking URI (MLFLOW_TRACKING_URI wins), turn telemetry off, and check a server answers."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # A dead server otherwise costs minutes of retries before the first error.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as r:
+                r.read()
+        except (urllib.error.URLError, OSError) as e:
+            raise SlmsqlError(f"MLflow tracking server {uri} is unreachable ({getattr(e, 'reason', e)}); "
+                              "start one with `slmsql server` or unset MLFLOW_TRACKING_URI") from None
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None):
+    """Start (or, under `mlflow run`, reuse) the run for one stage, with its config logged as params."""
+    import mlflow
+
+    from .configs import to_params
+
+    configure()
+    if not os.environ.get("MLFLOW_RUN_ID"):
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+    nested = mlflow.active_run() is not None
+    with mlflow.start_run(run_name=cfg.run_name or stage, nested=nested) as run:
+        mlflow.set_tags({"slmsql.stage": stage, **(tags or {})})
+        logged = mlflow.get_run(run.info.run_id).data.params
+        new = {k: v[:6000] for k, v in {**to_params(cfg), **(params or {})}.items() if k not in logged}
+        if new:  # params are immutable: a resumed run logs only what it has not logged yet
+            mlflow.log_params(new)
+        yield run
+
+
+def log_json(obj, artifact_file: str) -> None:
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / Path(artifact_file).name
+        p.write_text(json.dumps(obj, indent=2, default=str))
+        mlflow.log_artifact(str(p), str(Path(artifact_file).parent) if "/" in artifact_file else None)
+
+
+def numeric(metrics: dict) -> dict:
+    """Only the finite numbers: MLflow metrics refuse strings, and inf means 'not computable' here."""
+    import math
+
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}

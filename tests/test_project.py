@@ -1,0 +1,41 @@
+"""The project's own wiring: one source of truth for pins and parameters, CI calling the README's command."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from slmsql.mlproject import render
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_conda_yaml_pins_equal_pyproject():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    conda = yaml.safe_load((ROOT / "conda.yaml").read_text())
+    pip = next(d["pip"] for d in conda["dependencies"] if isinstance(d, dict))
+    assert [d for d in pip if d != "-e ."] == deps
+    assert all("==" in d for d in deps), "every dependency is pinned"
+
+
+def test_mlproject_is_generated_from_configs():
+    assert (ROOT / "MLproject").read_text() == render(), "regenerate: slmsql mlproject > MLproject"
+
+
+def test_mlproject_declares_the_lifecycle_entry_points():
+    doc = yaml.safe_load((ROOT / "MLproject").read_text())
+    assert {"filter", "grpo", "evaluate", "publish"} <= set(doc["entry_points"])
+    for name, ep in doc["entry_points"].items():
+        for p, spec in ep["parameters"].items():
+            assert spec["type"] in ("string", "float", "path", "uri")
+            assert "{" + p + "}" in ep["command"], f"{name}.{p} is declared but not passed"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.DOTALL).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2, "the quick start is exactly two commands"
+    test_cmd = next(c for c in commands if "test" in c)
+    assert test_cmd in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,64 @@
+import pytest
+
+from slmsql import rewards
+from slmsql.scoring import InlineExecutor
+
+
+@pytest.fixture
+def batch(shop):
+    db = str(shop / "shop" / "shop.sqlite")
+    gold = "SELECT name FROM item WHERE kind = 'office'"
+    completions = [
+        "```sql\nSELECT name FROM item WHERE kind = 'office'\n```",  # right, formatted
+        "SELECT name FROM item WHERE price < 3",                       # right (same rows), bare
+        "```sql\nSELECT name FROM item\n```",                          # runs, wrong
+        "```sql\nSELECT nme FROM item\n```",                           # error
+        "no idea",                                                     # no sql
+    ]
+    return completions, {"sql": [gold] * 5, "db_path": [db] * 5}
+
+
+def test_execution_tiers(batch):
+    completions, cols = batch
+    got = rewards.execution_reward(None, completions, executor=InlineExecutor(), **cols)
+    assert got == [1.0, 1.0, 0.1, 0.0, 0.0]
+
+
+def test_tiers_configurable(batch):
+    completions, cols = batch
+    t = rewards.Tiers(correct=2.0, runs=0.5, fails=-1.0)
+    got = rewards.execution_reward(None, completions, executor=InlineExecutor(), tiers=t, **cols)
+    assert got == [2.0, 2.0, 0.5, -1.0, -1.0]
+
+
+def test_format_reward(batch):
+    completions, _ = batch
+    assert rewards.format_reward(None, completions) == [0.2, 0.0, 0.2, 0.2, 0.0]
+
+
+def test_conversational_completions(batch):
+    completions, cols = batch
+    conv = [[{"role": "assistant", "content": c}] for c in completions]
+    assert rewards.execution_reward(None, conv, executor=InlineExecutor(), **cols)[:3] == [1.0, 1.0, 0.1]
+
+
+def test_registry_names_are_stable_for_trl_metrics(batch):
+    completions, cols = batch
+    fns = rewards.build(["execution", "format"], executor=InlineExecutor())
+    assert [f.__name__ for f in fns] == ["execution", "format"]
+    # TRL passes everything by keyword, dataset columns included
+    out = fns[0](prompts=["p"] * 5, completions=completions, completion_ids=None, trainer_state=None, **cols)
+    assert out[0] == 1.0
+
+
+def test_telemetry_sink_sees_statuses(batch):
+    completions, cols = batch
+    seen = []
+    rewards.execution_reward(None, completions, executor=InlineExecutor(), on_outcomes=seen.extend, **cols)
+    assert [o.status for o in seen] == ["ok", "ok", "ok", "error", "no_sql"]
+    assert [o.correct for o in seen] == [True, True, False, False, False]
+
+
+def test_unknown_reward_name():
+    with pytest.raises(ValueError, match="unknown reward"):
+        rewards.build(["execution", "lenght"])
