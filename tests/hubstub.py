@@ -14,7 +14,6 @@ import secrets
 import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml  # a hard dependency of huggingface_hub; the real /api/validate-yaml parses the front matter too
@@ -75,29 +74,33 @@ class HubStub:
         # A short poll interval keeps shutdown() (and so each test's teardown) quick.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
+        self._tmp = tempfile.TemporaryDirectory(prefix="hubstub-")
         return self
 
     def __exit__(self, *exc):
         self._server.shutdown()
         self._server.server_close()
+        self._tmp.cleanup()
 
     def configure_client(self, monkeypatch) -> None:
         """Point the imported client at this stub for one test.
 
-        huggingface_hub reads HF_ENDPOINT, HF_HUB_DISABLE_XET and HF_HUB_OFFLINE at import time, so setting
-        the environment is not enough: the module constants are patched too. Xet off selects the legacy LFS
-        upload path; telemetry off skips the agent-harness lookup, which would write under ~/.cache; no
-        implicit token, so only what the test passes is ever sent.
+        huggingface_hub reads HF_ENDPOINT, HF_HUB_DISABLE_XET, HF_HUB_OFFLINE and its paths at import time, so
+        setting the environment is not enough: the module constants are patched too. Xet off selects the legacy
+        LFS upload path; telemetry off skips the agent-harness lookup (it writes a file under HF_HOME); the token
+        file and download cache move into the stub's temp dir, so only the token a test passes is ever sent and
+        nothing lands in ~/.cache.
         """
         from huggingface_hub import constants
 
         for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-        no_token = Path(tempfile.gettempdir()) / f"hubstub-no-token-{secrets.token_hex(4)}"
-        for name, value in [("HF_HUB_DISABLE_XET", True), ("HF_HUB_OFFLINE", False), ("HF_TOKEN_PATH", str(no_token)),
-                            ("HF_HUB_DISABLE_TELEMETRY", True), ("ENDPOINT", self.url),
-                            ("HUGGINGFACE_CO_URL_TEMPLATE", self.url + "/{repo_id}/resolve/{revision}/{filename}")]:
+        patches = {"HF_HUB_DISABLE_XET": True, "HF_HUB_OFFLINE": False, "HF_HUB_DISABLE_TELEMETRY": True,
+                   "HF_TOKEN_PATH": f"{self._tmp.name}/no-token", "HF_HUB_CACHE": f"{self._tmp.name}/hub",
+                   "ENDPOINT": self.url,  # hf_hub_url() builds on this template, then swaps in `endpoint`
+                   "HUGGINGFACE_CO_URL_TEMPLATE": self.url + "/{repo_id}/resolve/{revision}/{filename}"}
+        for name, value in patches.items():
             monkeypatch.setattr(constants, name, value)
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
@@ -235,13 +238,14 @@ class HubStub:
                 if value["oid"] not in self._lfs:
                     raise HubError(400, f"LFS object {value['oid']} for {value['path']} was never uploaded")
                 files[value["path"]] = self._lfs[value["oid"]]
-            elif key == "deletedFile" and value["path"] in files:
+            elif key == "deletedFile":
+                if value["path"] not in files:  # the client adds a hint when it sees this wording
+                    raise HubError(404, f"A file with this name doesn't exist: {value['path']}", "EntryNotFound")
                 del files[value["path"]]
             elif key == "deletedFolder":
                 files = {p: d for p, d in files.items() if not p.startswith(value["path"].rstrip("/") + "/")}
             else:
-                raise HubError(400 if key != "deletedFile" else 404, f"cannot apply {key} {value.get('path')}",
-                               "EntryNotFound" if key == "deletedFile" else None)
+                raise HubError(400, f"unsupported commit line: {key} (encoding {value.get('encoding')})")
         digest = hashlib.sha1(json.dumps([repo_id, head and head["oid"], header.get("summary"),
                                           sorted((p, hashlib.sha256(d).hexdigest()) for p, d in files.items())]).encode())
         oid = digest.hexdigest()
@@ -319,6 +323,8 @@ class _Handler(BaseHTTPRequestHandler):
             with hub._lock:
                 hub.unhandled.append(f"{self.command} {url.path}")
             raise HubError(404, f"hubstub has no route for {self.command} {url.path}")
+        except (KeyError, TypeError, ValueError) as e:  # a malformed payload; a 5xx would make the client retry
+            self._send(400, {"X-Error-Message": "malformed request"}, {"error": f"malformed request: {e!r}"})
         except HubError as e:
             headers = {"X-Error-Message": e.message, **e.headers}
             if e.code:

@@ -62,3 +62,26 @@ def test_telemetry_sink_sees_statuses(batch):
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="unknown reward"):
         rewards.build(["execution", "lenght"])
+
+
+def test_telemetry_counts_correctness_variance_not_reward_variance(batch):
+    completions, cols = batch
+    metrics, extra = {}, {}
+    # two groups: [right, right-ish bare, wrong-but-runs] varies; [error, no sql] is all wrong (0.0 and 0.0)
+    rewards.execution_reward(None, completions, executor=InlineExecutor(), id=["a", "a", "a", "b", "b"],
+                             log_metric=metrics.__setitem__, log_extra=extra.__setitem__, **cols)
+    assert metrics["exec/frac_groups_correctness_varies"] == 0.5
+    assert metrics["exec/correct"] == 0.4
+    assert metrics["exec/wrong_result"] == 0.2 and metrics["exec/error"] == 0.2 and metrics["exec/no_sql"] == 0.2
+    assert extra["exec_status"] == ["correct", "correct", "ok", "error", "no_sql"]
+
+
+def test_group_of_runs_and_fails_has_reward_std_but_no_correctness_signal(shop):
+    db = str(shop / "shop" / "shop.sqlite")
+    comps = ["```sql\nSELECT name FROM item\n```", "```sql\nSELECT bogus FROM item\n```"]
+    cols = {"sql": ["SELECT name FROM item WHERE kind = 'office'"] * 2, "db_path": [db] * 2}
+    metrics = {}
+    r = rewards.execution_reward(None, comps, executor=InlineExecutor(), id=["g", "g"],
+                                 log_metric=metrics.__setitem__, **cols)
+    assert r == [0.1, 0.0]  # reward std > 0 ...
+    assert metrics["exec/frac_groups_correctness_varies"] == 0.0  # ... but no correctness signal

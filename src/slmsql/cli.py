@@ -17,7 +17,7 @@ from .errors import SlmsqlError
 # stage -> "module:function" taking the resolved config; imported lazily so `--help` stays fast.
 ENTRY = {
     "toy": "slmsql.toy:main",
-    "tiny-model": "slmsql.models:main",
+    "tiny-model": "slmsql.tinymodel:main",
     "sft": "slmsql.sft:main",
     "filter": "slmsql.passrate:main",
     "grpo": "slmsql.grpo:main",

@@ -93,7 +93,8 @@ def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> 
     (a_names, a_local), (m_names, m_local) = _names(base), _names(model)
     if a_names & m_names:
         return
-    if not (a_local and m_local) and {PurePosixPath(n).name for n in a_names} & {PurePosixPath(n).name for n in m_names}:
+    basenames = [{PurePosixPath(n).name for n in names} for names in (a_names, m_names)]
+    if not (a_local and m_local) and basenames[0] & basenames[1]:
         return
     raise SlmsqlError(
         f"adapter '{adapter}' was trained on base model '{base}', not on '{model}'; "
@@ -114,7 +115,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    value = getattr(torch, str(dtype), None)
+    value = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, str(dtype)), None)
     if not isinstance(value, torch.dtype):
         raise SlmsqlError(f"unknown dtype '{dtype}' (use auto, bfloat16, float16 or float32)")
     return value

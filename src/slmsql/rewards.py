@@ -45,11 +45,32 @@ def execution_tier(o: Outcome, tiers: Tiers = Tiers()) -> float:
     return tiers.runs if o.status == "ok" else tiers.fails
 
 
+def telemetry(outs: list[Outcome], group_ids) -> dict[str, float]:
+    """Per-batch signals TRL does not log: the execution-status mix, and the fraction of groups whose
+    *correctness* varies. A group of 0.0 and 0.1 rewards has reward std > 0 but teaches nothing about
+    correctness; only groups with both right and wrong answers carry that signal."""
+    n = len(outs)
+    m = {f"exec/{s}": sum(o.status == s and not o.correct for o in outs) / n
+         for s in ("ok", "error", "timeout", "truncated", "rejected", "no_sql")}
+    m["exec/wrong_result"] = m.pop("exec/ok")
+    m["exec/correct"] = sum(o.correct for o in outs) / n
+    groups: dict = {}
+    for gid, o in zip(group_ids, outs):
+        groups.setdefault(gid, set()).add(o.correct)
+    m["exec/frac_groups_correctness_varies"] = sum(len(v) == 2 for v in groups.values()) / len(groups)
+    return m
+
+
 def execution_reward(prompts, completions, *, sql, db_path, executor, tiers: Tiers = Tiers(), match="bird",
-                     on_outcomes=None, **_) -> list[float]:
+                     on_outcomes=None, log_metric=None, log_extra=None, id=None, **_) -> list[float]:
     outs = outcomes(completions, sql, db_path, executor, match)
-    if on_outcomes is not None:  # telemetry sink (status mix, correctness variance per group)
+    if on_outcomes is not None:
         on_outcomes(outs)
+    if log_metric is not None:  # TRL >= 1.x hands reward functions its metric and completions-table sinks
+        for name, value in telemetry(outs, id or prompts).items():
+            log_metric(name, value)
+    if log_extra is not None:
+        log_extra("exec_status", ["correct" if o.correct else o.status for o in outs])
     return [execution_tier(o, tiers) for o in outs]
 
 

@@ -1,9 +1,9 @@
 """Batched generation of K completions per prompt, with transformers or (when installed) vLLM.
 
 Prompts are complete model inputs (chat template already applied), so no special tokens are added.
-Sampling is plain temperature + top-p: the checkpoint's own generation defaults (Qwen ships top_k=20 and
-repetition_penalty=1.1; transformers itself defaults to top_k=50) are overridden so that results depend only
-on the arguments here, and match what vLLM's SamplingParams does with the same arguments.
+Sampling is plain temperature + top-p: the checkpoint's own generation defaults (Qwen instruct checkpoints
+ship top_k=20 and a repetition_penalty above 1; transformers itself defaults to top_k=50) are overridden so
+that results depend only on the arguments here, and match what vLLM's SamplingParams does with them.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ def generate(
 ) -> list[list[str]]:
     """Return, for each prompt in the given order, `num_return_sequences` decoded completions.
 
-    temperature 0 means greedy (its one completion repeated num_return_sequences times). With the transformers backend, prompts are batched longest first (least
-    padding) and each batch reseeds torch with seed + batch index, so a call's output does not depend on what
-    ran before it. vLLM seeds each prompt with seed + its index. For vLLM, `model` is a `vllm.LLM` or a
-    path / Hub id, and `tokenizer` is unused.
+    temperature 0 means greedy (its one completion repeated num_return_sequences times). With the transformers
+    backend, prompts are batched longest first (least padding) and each batch reseeds torch with
+    seed + batch index, so a call's output does not depend on what ran before it (but a sampled completion
+    does depend on which prompts share its batch). vLLM seeds each prompt with seed + its index; there
+    `model` is a `vllm.LLM` or a path / Hub id, and `tokenizer` is unused.
     """
     _check_args(num_return_sequences, temperature, top_p, max_new_tokens, batch_size)
     if backend == "vllm":

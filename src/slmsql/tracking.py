@@ -36,23 +36,42 @@ def configure() -> str:
 
 
 @contextlib.contextmanager
-def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None):
-    """Start (or, under `mlflow run`, reuse) the run for one stage, with its config logged as params."""
+def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None, run_id: str | None = None):
+    """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params."""
     import mlflow
 
     from .configs import to_params
 
     configure()
-    if not os.environ.get("MLFLOW_RUN_ID"):
+    run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
+    if not run_id:
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
     nested = mlflow.active_run() is not None
-    with mlflow.start_run(run_name=cfg.run_name or stage, nested=nested) as run:
+    with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage), nested=nested) as run:
         mlflow.set_tags({"slmsql.stage": stage, **(tags or {})})
         logged = mlflow.get_run(run.info.run_id).data.params
         new = {k: v[:6000] for k, v in {**to_params(cfg), **(params or {})}.items() if k not in logged}
         if new:  # params are immutable: a resumed run logs only what it has not logged yet
             mlflow.log_params(new)
         yield run
+
+
+def resume_state(work: Path, identity: dict) -> str | None:
+    """The MLflow run id of an unfinished stage in `work`, if its parameters match `identity`.
+
+    Resumable stages (filter, grpo) call this before starting their run and `save_resume_state` once it
+    exists, so a rerun after a crash continues the same run instead of scattering the work over two."""
+    state = work / "resume_state.json"
+    if not state.exists():
+        return None
+    saved = json.loads(state.read_text())
+    if saved["identity"] != json.loads(json.dumps(identity, default=str)):
+        raise SlmsqlError(f"{work} holds an unfinished run with other parameters; delete it to start over")
+    return saved["run_id"]
+
+
+def save_resume_state(work: Path, identity: dict, run_id: str) -> None:
+    (work / "resume_state.json").write_text(json.dumps({"identity": identity, "run_id": run_id}, default=str))
 
 
 def log_json(obj, artifact_file: str) -> None:
@@ -70,3 +89,25 @@ def numeric(metrics: dict) -> dict:
 
     return {k: float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def metric_name(key: str) -> str:
+    """TRL's keys carry spaces and colons ('profiling/Time taken: ...'); MLflow keeps [\\w./-] safely."""
+    import re
+
+    return re.sub(r"_+", "_", re.sub(r"[^\w./-]", "_", key)).strip("_")
+
+
+def trainer_callback():
+    """A transformers callback logging the trainer's metrics to the active MLflow run, and nothing else:
+    `report_to="mlflow"` would also log ~224 params (every training argument and model-config field)."""
+    from transformers import TrainerCallback
+
+    class MlflowMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            import mlflow
+
+            if state.is_world_process_zero and logs:
+                mlflow.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
+
+    return MlflowMetrics()

@@ -1,0 +1,368 @@
+"""Sandboxed SQLite execution of untrusted, model-written SQL.
+
+Layers (see facts.md, "SQLite sandboxing"): a read-only URI connection; a whitelist authorizer (SELECT,
+READ, FUNCTION, RECURSIVE) that also stops ATTACH / VACUUM INTO, PRAGMA, temp tables and writes;
+SQLITE_LIMIT_ATTACHED=0 as a second lock on ATTACH; LENGTH limits against giant blobs; temp_store=MEMORY
+with a hard heap limit so big sorts fail with MemoryError instead of filling the disk; a progress-handler
+deadline; at most `row_cap` rows and `heap_bytes` of text/blob per result. `SandboxPool` adds RLIMIT_AS
+per worker, crash isolation and a hard kill of any job that outlives its deadline inside one opcode.
+
+Note: `PRAGMA hard_heap_limit` is process-wide, so `execute()` in-process also caps every other SQLite
+connection of the calling process; the pool keeps it inside its workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import re
+import resource
+import signal
+import sqlite3
+import threading
+import time
+import urllib.parse
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Iterable
+
+STATUSES = ("ok", "error", "timeout", "truncated", "rejected")
+KILL_GRACE_S = 0.5        # pool: a job still running at deadline + grace gets its worker SIGKILLed
+MAX_CONNECTIONS = 32      # per process; page caches count against the (global) heap limit
+_PROGRESS_OPS = 1000      # VM ops between deadline checks: <1% overhead, ~50 us overshoot
+_TEST_HOOK_ENV = "SLMSQL_SANDBOX_TEST_HOOKS"  # test-only: honour "-- slmsql-test: crash|hang" jobs
+
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_DENIED_FUNCTIONS = {"load_extension"}
+_ACTIONS = {getattr(sqlite3, f"SQLITE_{n}"): n for n in (  # authorizer codes overlap error codes: list them
+    "CREATE_INDEX CREATE_TABLE CREATE_TEMP_INDEX CREATE_TEMP_TABLE CREATE_TEMP_TRIGGER CREATE_TEMP_VIEW "
+    "CREATE_TRIGGER CREATE_VIEW DELETE DROP_INDEX DROP_TABLE DROP_TEMP_INDEX DROP_TEMP_TABLE "
+    "DROP_TEMP_TRIGGER DROP_TEMP_VIEW DROP_TRIGGER DROP_VIEW INSERT PRAGMA READ SELECT TRANSACTION UPDATE "
+    "ATTACH DETACH ALTER_TABLE REINDEX ANALYZE CREATE_VTABLE DROP_VTABLE FUNCTION SAVEPOINT RECURSIVE").split()}
+# Leading/trailing whitespace, semicolons and comments: SQL made only of these is empty.
+_NOTHING = re.compile(r"(?:\s|;|--[^\n]*|/\*.*?(?:\*/|\Z))*", re.S)
+_SIZED = {str, bytes}
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    status: str               # one of STATUSES
+    rows: tuple | None        # tuple of row tuples when status in (ok, truncated), else None
+    error: str | None         # SQLite's message (error), reason (rejected/timeout), None when ok
+    elapsed_ms: float
+
+    @property
+    def ran(self) -> bool:
+        return self.status in ("ok", "truncated")
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 5.0
+    row_cap: int = 10_000
+    max_sql_chars: int = 100_000
+    heap_bytes: int = 256 << 20
+    max_length: int = 10_000_000
+    worker_memory_bytes: int = 2 << 30
+
+
+class _Guard:
+    """Per-connection authorizer and deadline; remembers the first denied action for the message."""
+
+    def __init__(self):
+        self.denied: str | None = None
+        self.deadline = 0.0
+
+    def authorize(self, action, arg1, arg2, _db, _source):
+        if action in _ALLOWED and arg2 not in _DENIED_FUNCTIONS:
+            return sqlite3.SQLITE_OK
+        if self.denied is None:
+            self.denied = arg2 if action == sqlite3.SQLITE_FUNCTION else _ACTIONS.get(action, str(action))
+        return sqlite3.SQLITE_DENY
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+_local = threading.local()  # sqlite3 connections are per thread
+
+
+def _connect(path: str, limits: Limits):
+    cache = _local.__dict__.setdefault("conns", {})
+    key = (path, limits.heap_bytes, limits.max_length, limits.max_sql_chars)
+    hit = cache.pop(key, None)
+    if hit is None:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True, isolation_level=None)
+        # Pragmas first: the authorizer below denies every PRAGMA.
+        conn.execute(f"PRAGMA hard_heap_limit={int(limits.heap_bytes)}")
+        conn.execute("PRAGMA temp_store=MEMORY")
+        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limits.max_length)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, min(limits.max_length, 4 * limits.max_sql_chars))
+        guard = _Guard()
+        conn.set_authorizer(guard.authorize)
+        conn.set_progress_handler(guard.expired, _PROGRESS_OPS)
+        hit = (conn, guard)
+        while len(cache) >= MAX_CONNECTIONS:
+            cache.pop(next(iter(cache)))[0].close()
+    cache[key] = hit  # re-insert: dict order is the LRU order
+    return hit
+
+
+def _drop(path: str):
+    cache = _local.__dict__.get("conns", {})
+    for key in [k for k in cache if k[0] == path]:
+        cache.pop(key)[0].close()
+
+
+def _fetch(cur, limits: Limits):
+    """At most row_cap + 1 rows and heap_bytes of text/blob, so a hostile result cannot exhaust memory."""
+    want, rows, budget, step = limits.row_cap + 1, [], limits.heap_bytes, 16
+    while len(rows) < want:
+        batch = cur.fetchmany(min(want - len(rows), step))
+        step = min(2 * step, 4096)  # grow: huge rows trip the budget early, small ones batch well
+        if not batch:
+            break
+        budget -= sum([len(v) for v in itertools.chain.from_iterable(batch) if v.__class__ in _SIZED])
+        if budget < 0:
+            raise MemoryError
+        rows += batch
+    return rows
+
+
+def _run(db_file, sql, limits: Limits) -> tuple:
+    """One query -> (status, rows, error, elapsed_ms): plain tuples are cheap to send between processes."""
+    t0 = time.perf_counter()
+
+    def out(status, rows=None, error=None):
+        return status, rows, error, (time.perf_counter() - t0) * 1e3
+
+    if not isinstance(sql, str):
+        return out("rejected", error="sql is not a string")
+    if len(sql) > limits.max_sql_chars:
+        return out("rejected", error="sql too long")
+    if _NOTHING.fullmatch(sql):
+        return out("rejected", error="empty sql")
+    sql = sql.rstrip(" \t\r\n\f;")  # "q;;" is one statement to a reader; SQLite would see two
+    path = os.path.abspath(os.fspath(db_file))
+    guard = cur = None
+    try:
+        conn, guard = _connect(path, limits)
+        guard.denied, guard.deadline = None, time.monotonic() + limits.timeout_s
+        cur = conn.execute(sql)
+        if cur.description is None:
+            return out("rejected", error="not a query")
+        rows = _fetch(cur, limits)
+        if len(rows) > limits.row_cap:
+            return out("truncated", tuple(rows[: limits.row_cap]))
+        return out("ok", tuple(rows))
+    except MemoryError:
+        cur = None
+        _drop(path)
+        return out("error", error="out of memory")
+    except sqlite3.Error as e:
+        msg = str(e)
+        if guard is not None and guard.denied is not None:
+            return out("rejected", error=f"not authorized: {guard.denied}")
+        if isinstance(e, sqlite3.ProgrammingError) and "one statement" in msg:
+            return out("rejected", error="multiple statements")
+        if msg == "interrupted" and guard is not None and time.monotonic() >= guard.deadline:
+            return out("timeout", error=f"timeout after {limits.timeout_s:g} s")
+        return out("error", error=msg)
+    except Exception as e:  # never raise: every input gets a status
+        return out("error", error=f"{type(e).__name__}: {e}")
+    finally:
+        if cur is not None:
+            try:
+                cur.close()  # resets the statement: a truncated read must not hold its read lock
+            except Exception:
+                pass
+
+
+def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
+    """Run one query in this process on a cached read-only connection. Never raises."""
+    return ExecResult(*_run(db_file, sql, limits))
+
+
+# ----------------------------------------------------------------------------------------------- pool
+# Each worker owns a slot [pid, job id, start] in shared memory, so the parent can see what is running:
+# it kills a job that outlives its deadline (stuck inside a single SQLite opcode, where the progress
+# handler is never called) and knows which jobs were in flight when a worker died.
+
+_worker: dict = {}
+
+
+def _init_worker(limits: Limits, slots, counter, test_hooks: bool):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    with counter.get_lock():
+        slot, counter.value = counter.value, counter.value + 1
+    slots[3 * slot] = os.getpid()
+    _worker.update(limits=limits, slots=slots, slot=3 * slot, test_hooks=test_hooks)
+
+
+def _run_chunk(chunk: list) -> list:
+    limits, slots, s, hooks = (_worker[k] for k in ("limits", "slots", "slot", "test_hooks"))
+    out = []
+    for job_id, db_file, sql in chunk:
+        # Write order matters: the parent trusts `start` only when it reads the same job id around it.
+        slots[s + 2] = time.monotonic()
+        slots[s + 1] = job_id
+        if hooks and isinstance(sql, str) and sql.startswith("-- slmsql-test: "):
+            _test_hook(sql)
+        out.append(_run(db_file, sql, limits))
+        slots[s + 1] = -1
+    return out
+
+
+def _test_hook(sql: str):
+    if sql == "-- slmsql-test: crash":
+        os._exit(70)
+    if sql == "-- slmsql-test: hang":
+        time.sleep(3600)
+
+
+def _default_start_method() -> str:
+    # fork copies the parent; with torch loaded that means its thread pools and a huge address space
+    # (RLIMIT_AS then fails at once). forkserver forks from a clean interpreter that preloads this module.
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+class SandboxPool:
+    """Process pool for many queries: results in job order, statuses never exceptions."""
+
+    def __init__(self, workers: int | None = None, limits: Limits = Limits(), *,
+                 chunksize: int | None = None, start_method: str | None = None):
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.limits, self.chunksize = limits, chunksize
+        self._ctx = mp.get_context(start_method or _default_start_method())
+        if self._ctx.get_start_method() == "forkserver":
+            self._ctx.set_forkserver_preload(["slmsql.sandbox"])
+        self._test_hooks = os.environ.get(_TEST_HOOK_ENV) == "1"
+        self._gold: dict = {}
+        self._pool = None
+        self.rebuilds = 0  # how often a dead worker forced a new pool (for logs and tests)
+
+    # -- public
+    def run(self, jobs: Iterable[tuple[str, str]]) -> list[ExecResult]:
+        """Execute (db_file, sql) jobs; identical jobs in one call run once."""
+        keys = [(os.fspath(db), sql) for db, sql in jobs]
+        unique = list(dict.fromkeys(keys))
+        done = dict(zip(unique, self._execute(unique)))
+        return [done[k] for k in keys]
+
+    def run_gold(self, jobs) -> list[ExecResult]:
+        """Like run(), but results are cached by (db_file, sql) for the life of the pool."""
+        keys = [(os.fspath(db), sql) for db, sql in jobs]
+        missing = [k for k in dict.fromkeys(keys) if k not in self._gold]
+        self._gold.update(zip(missing, self._execute(missing)))
+        return [self._gold[k] for k in keys]
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals
+    def _start(self):
+        if self._pool is None:
+            self._slots = self._ctx.Array("d", [-1.0] * (3 * self.workers), lock=False)
+            counter = self._ctx.Value("i", 0)
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=self._ctx, initializer=_init_worker,
+                initargs=(self.limits, self._slots, counter, self._test_hooks))
+        return self._pool
+
+    def _restart(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = None
+        self.rebuilds += 1
+
+    def _in_flight(self) -> dict[int, tuple[int, float]]:
+        """job id -> (pid, start) for every job a worker has begun and not finished."""
+        s, out = self._slots, {}
+        for i in range(0, len(s), 3):
+            job = s[i + 1]
+            start = s[i + 2]
+            if job >= 0 and s[i + 1] == job:
+                out[int(job)] = (int(s[i]), start)
+        return out
+
+    def _execute(self, jobs: list[tuple[str, str]]) -> list[ExecResult]:
+        results: list = [None] * len(jobs)
+        strikes = [0] * len(jobs)
+        queue, isolate, blind = list(range(len(jobs))), deque(), 0
+        while queue or isolate:
+            # After a crash, each job that was in flight runs alone, so a second crash names its culprit.
+            batch = [isolate.popleft()] if isolate else queue
+            if batch is queue:
+                queue = []
+            left, suspects, killed = self._dispatch(batch, jobs, results)
+            if not left:
+                continue
+            self._restart()
+            for j in suspects:
+                strikes[j] += 1
+            blind = 0 if suspects or killed else blind + 1
+            for j in left:
+                if strikes[j] >= 2 or blind >= 3:  # blind: workers die before any job starts
+                    results[j] = ExecResult("error", None, "worker crashed", 0.0)
+                elif j in suspects:
+                    isolate.append(j)
+                else:
+                    queue.append(j)
+        return results
+
+    def _dispatch(self, batch: list[int], jobs, results):
+        """Run `batch`; returns (unfinished job ids, suspects of a crash, jobs killed for time)."""
+        pool = self._start()
+        size = self.chunksize or max(1, min(64, -(-len(batch) // (4 * self.workers))))
+        futures, broken = {}, False
+        for i in range(0, len(batch), size):
+            ids = batch[i:i + size]
+            try:
+                futures[pool.submit(_run_chunk, [(j, *jobs[j]) for j in ids])] = ids
+            except BrokenProcessPool:  # a worker already died: what was not submitted stays unfinished
+                broken = True
+                break
+        limit = self.limits.timeout_s + KILL_GRACE_S
+        killed, pending = {}, set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+            for f in done:
+                ids = futures[f]
+                try:
+                    for j, r in zip(ids, f.result()):
+                        results[j] = ExecResult(*r)
+                except BrokenProcessPool:
+                    broken = True
+                except Exception as e:  # e.g. a result that failed to pickle: the chunk fails alone
+                    for j in ids:
+                        results[j] = ExecResult("error", None, f"{type(e).__name__}: {e}", 0.0)
+            if broken:
+                continue
+            now = time.monotonic()
+            for j, (pid, start) in self._in_flight().items():
+                if now - start > limit and j not in killed:
+                    killed[j] = now - start
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        for j, secs in killed.items():
+            results[j] = ExecResult("timeout", None, f"timeout after {self.limits.timeout_s:g} s "
+                                    "(worker killed)", secs * 1e3)
+        left = [j for j in batch if results[j] is None]
+        suspects = set(self._in_flight()) - set(killed) if left else set()
+        return left, suspects, killed

@@ -1,0 +1,97 @@
+"""SFT: TRL SFTTrainer on gold-format data (prompt -> ```sql answer), LoRA or full fine-tuning.
+
+args -> data -> model -> trainer -> save. The output folder is a loadable policy: a full model
+(`--model OUT`) or a PEFT adapter (`--adapter OUT`), with the tokenizer, either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from .configs import SFTStageConfig, parse_trainer_args
+from .data import check_databases, read_gold
+from .errors import SlmsqlError
+from .outputs import check_free, staged
+
+log = logging.getLogger(__name__)
+
+
+def answer(sql: str) -> str:
+    return f"```sql\n{sql}\n```"
+
+
+def conversations(examples, db_root, example_values: int) -> list[dict]:
+    """TRL's conversational prompt-completion rows: loss falls on the completion only."""
+    from .prompts import PromptBuilder
+
+    builder = PromptBuilder(db_root, example_values=example_values)
+    return [{"prompt": builder.messages(ex), "completion": [{"role": "assistant", "content": answer(ex.sql)}]}
+            for ex in examples]
+
+
+def lora_config(cfg):
+    from peft import LoraConfig
+
+    targets = cfg.target_modules if cfg.target_modules == "all-linear" else cfg.target_modules.split(",")
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def main(cfg: SFTStageConfig) -> dict:
+    import mlflow
+    import pandas as pd
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from . import tracking
+    from .models import check_adapter_base, load_model
+
+    # args: every check before any model loads
+    examples = read_gold(cfg.data)
+    check_databases(examples, cfg.db_root, cfg.data)
+    check_free(cfg.output_dir, cfg.overwrite)
+    if cfg.base_adapter:
+        check_adapter_base(cfg.base_adapter, cfg.model)
+    extra = parse_trainer_args(cfg.trainer_args)
+
+    with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run(
+            "sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter}):
+        # data
+        train = Dataset.from_list(conversations(examples, cfg.db_root, cfg.example_values))
+        frame = pd.DataFrame([e.to_json() for e in examples])
+        mlflow.log_input(mlflow.data.from_pandas(frame, source=cfg.data, name="sft"), context="training")
+        # model
+        model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
+        tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
+        peft_config = lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
+        # trainer
+        args = SFTConfig(
+            output_dir=str(work / "checkpoints"), max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+            per_device_train_batch_size=cfg.per_device_train_batch_size, max_length=cfg.max_length,
+            lr_scheduler_type="cosine", warmup_steps=min(30, cfg.max_steps // 10), seed=cfg.seed,
+            logging_steps=max(1, cfg.max_steps // 50), save_strategy="no", report_to="none",
+            gradient_checkpointing=False, dataloader_num_workers=0, **extra)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
+                             peft_config=peft_config, callbacks=[tracking.trainer_callback()])
+        t0 = time.time()
+        result = trainer.train()
+        if trainer.state.global_step == 0:
+            raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
+        # save: an adapter when LoRA, else the full model; the tokenizer beside it either way
+        trainer.model.save_pretrained(work)
+        tokenizer.padding_side = "left"
+        tokenizer.save_pretrained(work)
+        summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
+                   "steps": trainer.state.global_step, "examples": len(examples),
+                   "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
+        (work / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+        mlflow.log_metrics(tracking.numeric(summary))
+        mlflow.set_tag("slmsql.policy_kind", summary["kind"])
+        for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
+            if f.is_file():
+                mlflow.log_artifact(str(f), "policy")
+    log.info("SFT done: %d steps in %.0f s, loss %.3f -> %s", summary["steps"], summary["train_seconds"],
+             summary["train_loss"], cfg.output_dir)
+    return summary

@@ -1,0 +1,62 @@
+"""The embedded default model: a ~0.8M-parameter Qwen2 with a BPE tokenizer trained on the toy world.
+
+Its tokenizer sees the training splits' rendered prompts and answers (never dev or dev_cross questions),
+so identifiers of the shared lexicon become single tokens, which is what lets a tiny model copy them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from .configs import TinyModelConfig
+from .data import read_gold
+from .errors import SlmsqlError
+from .outputs import staged
+
+log = logging.getLogger(__name__)
+
+
+def training_texts(toy_dir, example_values: int = 2) -> list[str]:
+    from jinja2 import Template
+
+    from .models import CHATML_TEMPLATE
+    from .prompts import PromptBuilder
+    from .sft import answer
+
+    toy_dir = Path(toy_dir)
+    if not (toy_dir / "sft.jsonl").is_file():
+        raise SlmsqlError(f"{toy_dir} is not a toy world (no sft.jsonl); run `slmsql toy` first")
+    builder = PromptBuilder(toy_dir / "databases", example_values=example_values)
+    template = Template(CHATML_TEMPLATE)
+    texts = []
+    for split in ("sft", "rl_source"):
+        for ex in read_gold(toy_dir / f"{split}.jsonl"):
+            messages = builder.messages(ex) + [{"role": "assistant", "content": answer(ex.sql)}]
+            texts.append(template.render(messages=messages, add_generation_prompt=False))
+    return texts
+
+
+def main(cfg: TinyModelConfig) -> dict:
+    import mlflow
+
+    from . import tracking
+    from .models import build_tiny_model
+
+    texts = training_texts(cfg.data)
+    with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run("tiny-model", cfg):
+        t0 = time.time()
+        build_tiny_model(work, texts, vocab_size=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers,
+                         heads=cfg.heads, ffn=cfg.ffn, seed=cfg.seed)
+        config = json.loads((work / "config.json").read_text())
+        from transformers import AutoModelForCausalLM
+
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(work).parameters())
+        info = {"parameters": n_params, "vocab_size": config["vocab_size"], "texts": len(texts),
+                "build_seconds": time.time() - t0}
+        mlflow.log_metrics(info)
+        (work / "tiny_model.json").write_text(json.dumps(info, indent=2))
+    log.info("tiny model: %d parameters, vocab %d -> %s", n_params, info["vocab_size"], cfg.output_dir)
+    return info

@@ -1,0 +1,213 @@
+"""Model loading, the tiny offline Qwen2, adapters and batched generation (CPU, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slmsql.errors import SlmsqlError
+from slmsql.models import build_tiny_model, check_adapter_base, load_model, train_bpe
+from slmsql.sampling import generate
+
+TEXTS = [
+    "CREATE TABLE singer (singer_id INTEGER, name TEXT, age INTEGER, country TEXT)",
+    "How many singers are older than 30?",
+    "SELECT count(*) FROM singer WHERE age > 30",
+    "List the names of singers from France born in 1984.",
+    "SELECT name FROM singer WHERE country = 'France' AND birth_year = 1984",
+    "What is the average age of all singers?",
+    "SELECT avg(age) FROM singer",
+    "Years 1984, 1985, 1986, 2024 and 2025 had 1984 1985 2024 hits.",  # digits would merge without Qwen's split
+] * 4
+TINY = dict(vocab_size=300, hidden=32, layers=1, heads=4, ffn=64)
+SAMPLES = [
+    "SELECT name FROM singer WHERE age > 2024",
+    "Café naïve: 'quoted' text\n\twith 12345 digits and ünïcödé",
+    "ﬁle x² ½",  # NFKC (not Qwen's NFC) would rewrite these
+    "<|im_start|>user\nHow many singers?<|im_end|>\n<|im_start|>assistant\n",
+]
+PROMPTS = ["SELECT name", "How many singers are older than 30? Answer in SQL please.", "CREATE TABLE", "What"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TEXTS, **TINY)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_model(tiny, device="cpu")
+
+
+def test_reload_gives_the_trained_ids_with_digits_split(tiny):
+    trained = train_bpe(TEXTS, TINY["vocab_size"])
+    reloaded = AutoTokenizer.from_pretrained(tiny)
+    for text in SAMPLES:
+        assert reloaded(text)["input_ids"] == trained.encode(text).ids
+        assert reloaded.decode(reloaded(text)["input_ids"]) == text
+    tokens = reloaded.convert_ids_to_tokens(reloaded("born in 1984")["input_ids"])
+    assert tokens[-4:] == ["1", "9", "8", "4"]
+    assert "SELECT" in reloaded.convert_ids_to_tokens(reloaded("SELECT name")["input_ids"])  # merges survived
+
+
+def test_build_is_deterministic(tiny, tmp_path):
+    again = build_tiny_model(tmp_path / "again", TEXTS, **TINY)
+    assert (again / "tokenizer.json").read_text() == (tiny / "tokenizer.json").read_text()
+    a, b = (AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (tiny, again))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = build_tiny_model(tmp_path / "other", TEXTS, **TINY, seed=1)
+    c = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_chat_template_renders_chatml(loaded):
+    _, tok = loaded
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q 12"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ 12<|im_end|>\n<|im_start|>assistant\n"
+    plain = tok.apply_chat_template(msgs, tokenize=False)
+    assert not plain.endswith("assistant\n")
+    ids = tok(text)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_load_model_cpu_fp32(loaded):
+    model, tok = loaded
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert tok.padding_side == "left" and tok.pad_token == "<|endoftext|>"
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    logits = model(**tok(["SELECT name"], return_tensors="pt")).logits
+    assert logits.shape[-1] == len(tok)
+
+
+def test_load_model_without_chat_template_fails(tiny, tmp_path):
+    copy = shutil.copytree(tiny, tmp_path / "notemplate")
+    (copy / "chat_template.jinja").unlink()
+    with pytest.raises(SlmsqlError, match="chat template"):
+        load_model(copy, device="cpu")
+
+
+def test_unknown_model_path_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SlmsqlError, match="no-such-model"):
+        load_model(missing, device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SlmsqlError, match="empty"):
+        load_model(tmp_path / "empty", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, loaded, tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = load_model(tiny, device="cpu", trainable=True)
+    torch.manual_seed(0)
+    # init_lora_weights=False: random B, so the adapter really changes the outputs (default B = 0 does not).
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(base, config).eval()
+    path = tmp_path_factory.mktemp("a") / "adapter"
+    peft_model.save_pretrained(path)
+    ids = loaded[1](PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = peft_model(**ids).logits
+    return path, ids, expected
+
+
+def test_adapter_reloads_to_the_adapted_model(tiny, loaded, adapter):
+    path, ids, expected = adapter
+    model, _ = load_model(tiny, path, device="cpu")
+    with torch.no_grad():
+        got = model(**ids).logits
+        base = loaded[0](**ids).logits
+    assert torch.equal(got, expected)
+    assert not torch.allclose(base, expected, atol=1e-3)  # the check above would catch a silently dropped adapter
+    out = generate(model, loaded[1], PROMPTS, max_new_tokens=4, progress=False)  # a PeftModel generates too
+    assert out != generate(loaded[0], loaded[1], PROMPTS, max_new_tokens=4, progress=False)
+    merged, _ = load_model(tiny, path, device="cpu", merge_adapter=True)
+    assert type(merged).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(merged(**ids).logits, expected, atol=1e-5)
+
+
+def test_adapter_for_another_base_fails_before_loading(tiny, adapter, tmp_path, monkeypatch):
+    other = shutil.copytree(tiny, tmp_path / "other-base")
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights were loaded before the adapter check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(SlmsqlError, match="trained on base model"):
+        load_model(other, adapter[0], device="cpu")
+    check_adapter_base(adapter[0], tiny)  # the right base passes
+
+
+def _adapter_dir(tmp_path, base):
+    path = tmp_path / "ad"
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+    return path
+
+
+def test_adapter_base_rule_hub_id_vs_local_copy(tmp_path):
+    local = tmp_path / "models" / "Qwen2.5-Coder-1.5B-Instruct"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text("{}")
+    check_adapter_base(_adapter_dir(tmp_path, "Qwen/Qwen2.5-Coder-1.5B-Instruct"), local)
+    check_adapter_base(_adapter_dir(tmp_path, "Qwen/Qwen2.5-Coder-1.5B-Instruct"), "qwen/qwen2.5-coder-1.5b-instruct/")
+    with pytest.raises(SlmsqlError, match="Qwen2.5-Coder-1.5B-Instruct"):
+        check_adapter_base(_adapter_dir(tmp_path, "Qwen/Qwen2.5-Coder-1.5B-Instruct"), "Qwen/Qwen2.5-Coder-0.5B")
+    with pytest.raises(SlmsqlError):
+        check_adapter_base(_adapter_dir(tmp_path, "Qwen/Qwen2.5-Coder-1.5B"), "Qwen/Qwen2.5-Coder-1.5B-Instruct")
+
+
+def test_missing_adapter_fails(tiny, tmp_path):
+    with pytest.raises(SlmsqlError, match="not found"):
+        load_model(tiny, tmp_path / "no-adapter", device="cpu")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(SlmsqlError, match="adapter_config.json"):
+        check_adapter_base(tmp_path / "plain", tiny)
+
+
+def test_greedy_is_deterministic_and_batching_does_not_change_it(loaded):
+    model, tok = loaded
+    batched = generate(model, tok, PROMPTS, max_new_tokens=10, batch_size=4, progress=False)
+    assert batched == generate(model, tok, PROMPTS, max_new_tokens=10, batch_size=4, progress=False)
+    one_by_one = [generate(model, tok, [p], max_new_tokens=10, batch_size=1, progress=False)[0] for p in PROMPTS]
+    assert batched == one_by_one
+    assert all(len(x) == 1 and x[0] for x in batched)
+    twice = generate(model, tok, PROMPTS, num_return_sequences=2, max_new_tokens=10, progress=False)
+    assert twice == [x * 2 for x in batched]
+
+
+def test_sampling_k_per_prompt_in_order_and_seeded(loaded):
+    model, tok = loaded
+    kw = dict(num_return_sequences=3, temperature=1.0, max_new_tokens=8, batch_size=2, progress=False)
+    first = generate(model, tok, PROMPTS, seed=7, **kw)
+    assert [len(x) for x in first] == [3] * len(PROMPTS)
+    assert first == generate(model, tok, PROMPTS, seed=7, **kw)
+    assert first != generate(model, tok, PROMPTS, seed=8, **kw)
+    # Batches are formed by length, not by input order, so reversing the input must reverse the output.
+    assert generate(model, tok, PROMPTS[::-1], seed=7, **kw) == first[::-1]
+
+
+def test_bad_generation_arguments(loaded):
+    model, tok = loaded
+    with pytest.raises(SlmsqlError, match="backend"):
+        generate(model, tok, PROMPTS, backend="nope")
+    with pytest.raises(SlmsqlError, match="top_p"):
+        generate(model, tok, PROMPTS, top_p=0)
+    assert generate(model, tok, [], progress=False) == []
+
+
+def test_vllm_backend_not_installed(loaded, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(SlmsqlError, match="vllm is not installed"):
+        generate(*loaded, PROMPTS, backend="vllm")

