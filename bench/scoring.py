@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import random
 import sqlite3
-import sys
 import tempfile
 import threading
 import time
@@ -219,19 +218,17 @@ def main(argv=None):
         queries = 2 * len(pairs)
         print(f"{len(pairs)} pairs ({queries} queries, {args.runaways} runaway), timeout {args.timeout:g} s, "
               f"{args.workers} workers, {os.cpu_count()} CPUs", flush=True)
-        secs, ex = {}, {}
-        for name, fn in [("raw", lambda: bench_raw(pairs, args.timeout)),
-                         ("bird", lambda: bench_bird(pairs, args.timeout, args.workers)),
-                         ("pool", lambda: bench_pool(pairs, args.timeout, args.workers))]:
+        secs, ex, scores = {}, {}, {}
+        for label, name, fn in [("a", "raw", lambda: bench_raw(pairs, args.timeout)),
+                                ("b", "bird", lambda: bench_bird(pairs, args.timeout, args.workers)),
+                                ("c", "pool", lambda: bench_pool(pairs, args.timeout, args.workers))]:
             t0 = time.perf_counter()
             out = fn()
             secs[name] = time.perf_counter() - t0
-            scores = out[0] if name == "pool" else out
-            ex[name] = sum(scores) / len(scores)
-            if name == "raw":
-                raw_scores = scores
-            print(f"({'abc'['raw bird pool'.split().index(name)]}) {name:5s} {secs[name]:7.2f} s  "
-                  f"{queries / secs[name]:8.0f} queries/s  EX {ex[name]:.4f}", flush=True)
+            scores[name] = out[0] if name == "pool" else out
+            ex[name] = sum(scores[name]) / len(pairs)
+            print(f"({label}) {name:5s} {secs[name]:7.2f} s  {queries / secs[name]:8.0f} queries/s  "
+                  f"EX {ex[name]:.4f}", flush=True)
         _, matcher, statuses = out
     qps = {k: queries / v for k, v in secs.items()}
     figures = {
@@ -240,7 +237,7 @@ def main(argv=None):
         "queries_per_s": {k: round(v, 1) for k, v in qps.items()},
         "pool_vs_raw": round(qps["pool"] / qps["raw"], 3), "pool_vs_bird": round(qps["pool"] / qps["bird"], 3),
         "ex": {k: round(v, 4) for k, v in ex.items()}, "pool_matcher": matcher, "pool_pred_statuses": statuses,
-        "pool_raw_disagreements": sum(a != c for a, c in zip(raw_scores, scores)),
+        "pool_raw_disagreements": sum(a != c for a, c in zip(scores["raw"], scores["pool"])),
     }
     print(f"c/a = {figures['pool_vs_raw']:.2f}   c/b = {figures['pool_vs_bird']:.2f}")
     print(json.dumps(figures))
@@ -248,4 +245,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

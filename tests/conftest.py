@@ -22,7 +22,14 @@ def shop(tmp_path):
 @pytest.fixture(autouse=True)
 def _isolated_mlflow(tmp_path, monkeypatch):
     """Each test tracks into its own SQLite store, never the developer's mlflow.db."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    import mlflow  # set_tracking_uri is process-wide: undo whatever an earlier test's stage set
+
+    mlflow.set_tracking_uri(uri)
+    yield
+    while mlflow.active_run():
+        mlflow.end_run()

@@ -28,10 +28,11 @@ def odd_db(tmp_path):
     con = sqlite3.connect(p)
     con.executescript("""
         CREATE TABLE "Team List" (tid INTEGER PRIMARY KEY, "Home Town" TEXT, logo BLOB);
-        CREATE TABLE membership (tid INTEGER REFERENCES "Team List", season INTEGER, note TEXT,
+        CREATE TABLE membership (tid INTEGER REFERENCES "Team List", season INTEGER, note TEXT, "order" INT,
                                  PRIMARY KEY (season, tid));
         INSERT INTO "Team List" VALUES (1, 'Oslo', x'00'), (2, 'O''Hara', x'01'), (3, NULL, NULL);
-        INSERT INTO membership VALUES (1, 2020, 'x'), (2, 2021, NULL), (1, 2022, 'word word word word word word word word');
+        INSERT INTO membership VALUES (1, 2020, 'x', 1), (2, 2021, NULL, 2),
+                                      (1, 2022, 'word word word word word word word word word word', 3);
     """)
     con.close()
     return p
@@ -57,8 +58,9 @@ def test_odd_identifiers_composite_key_and_implicit_fk(odd_db):
     assert "    `Home Town` TEXT, -- example: ['Oslo', \"O'Hara\"]" in text
     assert "    logo BLOB,\n" in text  # blobs give no examples
     assert "PRIMARY KEY (season, tid)" in text
+    assert "    `order` INT, -- example: [1, 2, 3]" in text and "    season INTEGER," in text  # reserved word
     assert "FOREIGN KEY (tid) REFERENCES `Team List` (tid)" in text
-    assert "'word word word word word word word word'" not in text and "..." in text
+    assert "'word word word word word word word word...'" in text
 
 
 def test_guard_drops_examples_before_schema(world):
@@ -78,9 +80,12 @@ def test_guard_drops_examples_before_schema(world):
     assert info["truncated_schema"] and len(text) == 10
 
 
-def test_missing_database_is_a_data_error(tmp_path):
+def test_missing_or_broken_database_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="no such database"):
         schema_text(tmp_path / "nope.sqlite")
+    (tmp_path / "junk.sqlite").write_text("not a database, just text" * 100)
+    with pytest.raises(DataError, match="junk.sqlite: cannot read schema"):
+        schema_text(tmp_path / "junk.sqlite")
 
 
 ENTRY = {"db_id": "club", "table_names_original": ["team", "player"],

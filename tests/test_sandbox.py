@@ -65,6 +65,11 @@ def test_error_keeps_sqlite_message(db, tmp_path):
     assert missing.status == "error" and not (tmp_path / "missing.sqlite").exists()
 
 
+def test_odd_path_is_quoted_into_the_uri(tmp_path):
+    odd = make_db(tmp_path / "my db ?mode=rw#%.sqlite", 5)
+    assert execute(odd, "SELECT count(*) FROM t").rows == ((5,),)
+
+
 def test_truncated_at_row_cap(db):
     r = execute(db, "SELECT id FROM t ORDER BY id", Limits(row_cap=10))
     assert r.status == "truncated" and r.ran and r.rows == tuple((i,) for i in range(10))
@@ -124,6 +129,12 @@ def test_huge_blob_is_an_error(db):
 
 def test_test_hooks_are_inert_without_env(db):
     assert execute(db, "-- slmsql-test: crash").error == "empty sql"
+
+
+def test_comment_heavy_sql_is_parsed_in_linear_time(db):
+    # A backtracking "is it only comments?" regex takes exponential time on this.
+    assert execute(db, "-" * 50_000 + "\nSELECT 1").rows == ((1,),)
+    assert execute(db, "/* unterminated " + "-" * 50_000).error == "empty sql"
 
 
 def test_never_raises(db):

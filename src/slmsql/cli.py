@@ -24,6 +24,7 @@ ENTRY = {
     "evaluate": "slmsql.evaluate:main",
     "publish": "slmsql.publish:main",
     "validate": "slmsql.checks:main",
+    "pipeline": "slmsql.pipeline:main",
 }
 
 
@@ -53,8 +54,9 @@ def _options(cls):
 def _command(stage: str, cls):
     @click.pass_context
     def run(ctx, recipe, **values):
-        if "trainer_args" in values:
-            values["trainer_args"] = " ".join(values["trainer_args"]) or None
+        for name in ("trainer_args", "overrides"):  # KEY=VALUE options, repeatable
+            if name in values:
+                values[name] = " ".join(values[name]) or None
         cfg = configs.load(cls, recipe, values)
         module, fn = ENTRY[stage].split(":")
         try:
@@ -100,6 +102,34 @@ def mlproject_cmd():
     from .mlproject import render
 
     click.echo(render(), nl=False)
+
+
+@main.command("server")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface (loopback by default).")
+@click.option("--port", default=5000, show_default=True, type=int)
+@click.option("--store", default="mlflow-server.db", show_default=True, help="SQLite backend store file.")
+@click.option("--artifacts", default="mlartifacts", show_default=True, help="Served artifact folder.")
+def server_cmd(host, port, store, artifacts):
+    """Start a real `mlflow server` (served artifacts, no job runner) and keep it in the foreground."""
+    from .tracking import start_server
+
+    proc, uri = start_server(host, port, store, artifacts)
+    click.echo(f"MLflow server ready. In other shells:\n  export MLFLOW_TRACKING_URI={uri}\n"
+               f"UI: {uri}   (Ctrl-C stops it)")
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+
+
+@main.command("runs")
+@click.option("--experiment", default="slmsql", show_default=True)
+@click.option("--limit", default=20, show_default=True, type=int)
+def runs_cmd(experiment, limit):
+    """A compact table of the latest runs of each stage in the tracking store."""
+    from .tracking import runs_table
+
+    click.echo(runs_table(experiment, limit))
 
 
 if __name__ == "__main__":

@@ -46,14 +46,21 @@ class Workers:
 
 
 @dataclass
-class Model:
+class Prompt:
+    prompt_style: str = opt("compact", "Schema prompt: compact (one line per table, the tiny model) or omnisql "
+                            "(OmniSQL's CREATE TABLE format with example values, for Qwen2.5-Coder).",
+                            choices=("compact", "omnisql"))
+    example_values: int = opt(0, "Example values per column in omnisql-style prompts.")
+
+
+@dataclass
+class Model(Prompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
     backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed).",
                        choices=("transformers", "vllm"))
-    example_values: int = opt(2, "Example values per column in the schema prompt.")
 
 
 @dataclass
@@ -63,7 +70,7 @@ class ToyConfig(Common):
 
 
 @dataclass
-class TinyModelConfig(Common):
+class TinyModelConfig(Prompt, Common):
     data: str = opt("outputs/toy", "Toy world folder whose texts train the tokenizer.")
     output_dir: str = opt("outputs/tiny-model", "Folder for the model and tokenizer.")
     vocab_size: int = opt(2000, "BPE vocabulary size.")
@@ -95,17 +102,16 @@ class Lora:
 
 
 @dataclass
-class SFTStageConfig(Lora, Common):
+class SFTStageConfig(Lora, Prompt, Common):
     data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
     model: str = opt("outputs/tiny-model", "Base model: Hub id or local path.")
     base_adapter: str = opt("", "Continue training this adapter (a previous SFT stage).")
     use_lora: bool = opt(False, "Train a LoRA adapter (else full fine-tuning; the tiny model trains fully).")
     learning_rate: float = opt(3e-3, "Peak learning rate.")
-    max_steps: int = opt(1500, "Optimizer steps.")
+    max_steps: int = opt(800, "Optimizer steps.")
     per_device_train_batch_size: int = opt(16, "Batch size.")
     max_length: int = opt(384, "Truncate prompt+completion to this many tokens.")
-    example_values: int = opt(2, "Example values per column in the schema prompt.")
     output_dir: str = opt("outputs/sft", "Folder for the trained policy.")
 
 
@@ -122,7 +128,7 @@ class FilterConfig(Model, Workers, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Workers, Common):
+class GRPOStageConfig(Lora, Workers, Prompt, Common):
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     model: str = opt("outputs/sft", "Base model: Hub id or local path.")
@@ -146,7 +152,6 @@ class GRPOStageConfig(Lora, Workers, Common):
     logging_steps: int = opt(1, "Log metrics every N steps.")
     save_steps: int = opt(50, "Checkpoint every N steps.")
     completions_every: int = opt(10, "Log sampled completions as an MLflow table every N steps.")
-    example_values: int = opt(2, "Example values per column in the schema prompt.")
     resume: bool = opt(False, "Resume from the last checkpoint in output_dir, in the same MLflow run.")
     output_dir: str = opt("outputs/grpo", "Folder for checkpoints and the final adapter.")
 
@@ -178,9 +183,18 @@ class ValidateConfig(Common):
     output_dir: str = opt("outputs/validate", "Folder for the validation report.")
 
 
+@dataclass
+class PipelineConfig(Common):
+    size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
+    overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
+    reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
+    repo_id: str = opt("slmsql/toy-grpo", "Hub repo id the card is written for (the pipeline only dry-runs).")
+    output_dir: str = opt("outputs/lifecycle", "Folder for every step's outputs.")
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
-          "validate": ValidateConfig}
+          "validate": ValidateConfig, "pipeline": PipelineConfig}
 
 
 def fields(cls):
@@ -245,7 +259,7 @@ def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool 
         if v is None:
             continue
         v = _coerce(cls, k, v, "command line")
-        if k == "trainer_args":
+        if isinstance(v, dict):
             values[k] = {**values.get(k, {}), **v}
         elif k not in values or v != getattr(defaults, k):
             values[k] = v

@@ -8,12 +8,12 @@ from __future__ import annotations
 from .data import Example
 from .extract import extract_sql
 from .models import load_model
-from .prompts import PromptBuilder, render_prompt
+from .prompts import builder_for, render_prompt
 from .sampling import generate
 
 
-def prompts_for(examples: list[Example], tokenizer, db_root, example_values: int) -> list[str]:
-    builder = PromptBuilder(db_root, example_values=example_values)
+def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
+    builder = builder_for(cfg)
     return [render_prompt(tokenizer, builder.messages(ex)) for ex in examples]
 
 
@@ -21,7 +21,7 @@ def sample(cfg, examples: list[Example], *, k: int = 1, temperature: float = 0.0
            model_and_tokenizer=None) -> list[list[str]]:
     """K completions per example, in example order."""
     model, tokenizer = model_and_tokenizer or load_model(cfg.model, cfg.adapter or None)
-    prompts = prompts_for(examples, tokenizer, cfg.db_root, cfg.example_values)
+    prompts = prompts_for(cfg, examples, tokenizer)
     return generate(model, tokenizer, prompts, num_return_sequences=k, temperature=temperature, top_p=top_p,
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed,
                     backend=cfg.backend)

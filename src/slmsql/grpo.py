@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -54,8 +56,9 @@ def completions_logger(output_dir: Path, every: int):
             path = output_dir / "completions" / f"completions_{state.global_step:05d}.parquet"
             if state.is_world_process_zero and path.exists() and state.global_step % every == 0:
                 df = pd.read_parquet(path)
-                df = df.assign(**{c: df[c].map(json.dumps) for c in ("prompt", "completion")
-                                  if c in df and not isinstance(df[c].iloc[0], str)})
+                as_text = lambda v: v if isinstance(v, str) else json.dumps(  # noqa: E731
+                    v.tolist() if hasattr(v, "tolist") else v, default=str)  # chat turns arrive as arrays
+                df = df.assign(**{c: df[c].map(as_text) for c in ("prompt", "completion") if c in df})
                 mlflow.log_table(df, f"completions/step_{state.global_step:05d}.json")
 
     return CompletionsToMlflow()
@@ -79,9 +82,9 @@ def main(cfg: GRPOStageConfig) -> dict:
 
     from . import rewards, tracking
     from .models import check_adapter_base, load_model
-    from .prompts import PromptBuilder
+    from .prompts import builder_for
     from .sandbox import Limits, SandboxPool
-    from .sft import lora_config
+    from .sft import device_args, lora_config
 
     # args: data, rewards, batch shape and adapter are all checked before any model loads
     examples = read_gold(cfg.data)
@@ -94,7 +97,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     out = check_free(cfg.output_dir, cfg.overwrite or cfg.resume)
     work = out.with_name(out.name + ".partial")
     if work.exists() and not cfg.resume:
-        raise SlmsqlError(f"{work} holds an unfinished run: pass --resume to continue it, or delete it")
+        if not cfg.overwrite:
+            raise SlmsqlError(f"{work} holds an unfinished run: pass --resume to continue it, or --overwrite")
+        shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     run_id = tracking.resume_state(work, identity) if cfg.resume else None
@@ -105,7 +110,7 @@ def main(cfg: GRPOStageConfig) -> dict:
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         tracking.save_resume_state(work, identity, run.info.run_id)
         # data: conversational prompts; `sql`, `db_path`, `id` reach the reward functions as columns
-        builder = PromptBuilder(cfg.db_root, example_values=cfg.example_values)
+        builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
         mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame([e.to_json() for e in examples]),
@@ -134,7 +139,7 @@ def main(cfg: GRPOStageConfig) -> dict:
             max_completion_length=cfg.max_completion_length, reward_weights=weights, seed=cfg.seed,
             logging_steps=cfg.logging_steps, save_steps=cfg.save_steps, save_strategy="steps",
             report_to="none", log_completions=True, num_completions_to_print=0,
-            **{"gradient_checkpointing": False, "use_cpu": not _cuda(), **extra})
+            **{"gradient_checkpointing": False, **device_args(), **extra})
         trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                               peft_config=peft_config,
@@ -159,12 +164,6 @@ def main(cfg: GRPOStageConfig) -> dict:
     return summary
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _last_checkpoint(work: Path):
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -172,9 +171,6 @@ def _last_checkpoint(work: Path):
 
 
 def _promote(work: Path, out: Path) -> None:
-    import os
-    import shutil
-
     if out.exists():
         shutil.rmtree(out)
     os.replace(work, out)

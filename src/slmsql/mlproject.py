@@ -36,7 +36,8 @@ def render() -> str:
             if not f.metadata.get("required"):  # no default: `mlflow run` then demands the parameter
                 params[f.name]["default"] = _default(default)
             command.append(f"--{f.name.replace('_', '-')} {{{f.name}}}")
-        entry_points[stage.replace("-", "_")] = {"parameters": params, "command": " ".join(command)}
+        name = "main" if stage == "pipeline" else stage.replace("-", "_")
+        entry_points[name] = {"parameters": params, "command": " ".join(command)}
     doc = {"name": "slmsql", "python_env": None, "conda_env": "conda.yaml", "entry_points": entry_points}
     doc.pop("python_env")
     return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)

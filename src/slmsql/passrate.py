@@ -27,7 +27,7 @@ from .outputs import check_free
 log = logging.getLogger(__name__)
 CHUNK = 32  # questions per resumable unit
 RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "max_new_tokens", "seed",
-               "example_values", "match", "timeout_s")
+               "prompt_style", "example_values", "match", "timeout_s")
 
 
 def bucket(n_correct: int, k: int, low: float, high: float) -> str:
@@ -40,7 +40,7 @@ def bucket(n_correct: int, k: int, low: float, high: float) -> str:
 
 def summarize(rows: list[dict], k: int, low: float, high: float) -> dict:
     counts = Counter(r["bucket"] for r in rows)
-    out_of_band = {b: counts[b] for b in sorted(counts, key=lambda b: int(b.split("/")[0])) if "/" in b}
+    out_of_band = {b: counts[b] for b in sorted((b for b in counts if "/" in b), key=lambda b: int(b.split("/")[0]))}
     return {"n_source": len(rows), "k": k, "low": low, "high": high,
             "buckets": {"band": counts["band"], "all_fail": counts["all_fail"], "all_pass": counts["all_pass"],
                         "out_of_band": out_of_band, "errors": counts["errors"]},

@@ -11,12 +11,18 @@ a few example values as an SQL comment, then the primary key and foreign keys as
         CONSTRAINT fk_book_author_id FOREIGN KEY (author_id) REFERENCES author (author_id)
     );
 
+`style="compact"` renders each table as one line, keys inline and no example values
+(`CREATE TABLE book (book_id INTEGER PRIMARY KEY, title TEXT, author_id INTEGER REFERENCES author(author_id));`)
+and drops the system message: the embedded tiny model pays for every prompt token on 2 CPU cores, so its
+prompts stay near 100 tokens instead of ~250. Real models use the default OmniSQL style (see `recipes/`).
+
 When a schema is too long, example values go first (fewer per column, then none); whole tables are cut only
 after that, and the returned dict says what was dropped.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sqlite3
@@ -27,19 +33,31 @@ from .errors import DataError, SlmsqlError
 
 MAX_CHARS = 12_000  # ~3-4k tokens of schema: leaves room for the answer in a 4k-8k context
 SYSTEM = "You are a SQLite expert. You answer questions about a database by writing one SQLite query."
+STYLES = ("omnisql", "compact")
 INSTRUCTION = "Answer with one SQLite query in a ```sql code block."
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXAMPLE_CHARS = 40  # long text values (descriptions, URLs) are cut: they cost tokens and help little
 
 
+@functools.lru_cache(maxsize=4096)
 def quote(name: str) -> str:
-    return name if _PLAIN.match(name) else "`" + name.replace("`", "``") + "`"
+    """Backticks where SQLite needs them: spaces, odd characters, reserved words (SQLite itself decides)."""
+    if _PLAIN.match(name):
+        con = sqlite3.connect(":memory:")
+        try:
+            con.execute(f'SELECT {name} FROM (SELECT 1 AS "{name}")')
+            return name
+        except sqlite3.Error:
+            pass
+        finally:
+            con.close()
+    return "`" + name.replace("`", "``") + "`"
 
 
 def _example(v) -> str:
     if isinstance(v, str):
         v = " ".join(v.split())
-        v = v if len(v) <= _EXAMPLE_CHARS else v[:_EXAMPLE_CHARS] + "..."
+        v = v if len(v) <= _EXAMPLE_CHARS else v[:_EXAMPLE_CHARS].rstrip() + "..."
     return repr(v)  # Python's list style, as OmniSQL prints them
 
 
@@ -55,10 +73,29 @@ def _render(tables: list[dict], k: int) -> list[str]:
             rows.append((f"    PRIMARY KEY ({', '.join(quote(c) for c in t['pk'])})", ""))
         for col, ref_table, ref_col in t["fks"]:
             fk = re.sub(r"\W+", "_", f"fk_{t['name']}_{col}").lower()
-            rows.append((f"    CONSTRAINT {fk} FOREIGN KEY ({quote(col)}) REFERENCES {quote(ref_table)} ({quote(ref_col)})", ""))
+            ref = f"{quote(ref_table)} ({quote(ref_col)})"
+            rows.append((f"    CONSTRAINT {fk} FOREIGN KEY ({quote(col)}) REFERENCES {ref}", ""))
         body = "\n".join(d + ("," if i < len(rows) - 1 else "") + c for i, (d, c) in enumerate(rows))
         blocks.append(f"CREATE TABLE {quote(t['name'])} (\n{body}\n);")
     return blocks
+
+
+def _render_compact(tables: list[dict]) -> str:
+    lines = []
+    for t in tables:
+        fks = {col: (ref_t, ref_c) for col, ref_t, ref_c in t["fks"]}
+        cols = []
+        for name, typ, _ in t["columns"]:
+            col = f"{quote(name)} {typ}".rstrip()
+            if t["pk"] == [name]:
+                col += " PRIMARY KEY"
+            if name in fks:
+                col += f" REFERENCES {quote(fks[name][0])}({quote(fks[name][1])})"
+            cols.append(col)
+        if len(t["pk"]) > 1:
+            cols.append(f"PRIMARY KEY ({', '.join(quote(c) for c in t['pk'])})")
+        lines.append(f"CREATE TABLE {quote(t['name'])} ({', '.join(cols)});")
+    return "\n".join(lines)
 
 
 def _fit(tables: list[dict], example_values: int, max_chars: int | None) -> tuple[str, dict]:
@@ -116,8 +153,12 @@ def _read_db(db_file, n: int) -> list[dict]:
     return tables
 
 
-def schema_text(db_file, example_values: int = 3, max_chars: int | None = None) -> tuple[str, dict]:
+def schema_text(db_file, example_values: int = 3, max_chars: int | None = None,
+                style: str = "omnisql") -> tuple[str, dict]:
     """CREATE TABLE text of an SQLite database, with up to example_values distinct values per column."""
+    if style == "compact":
+        text = _render_compact(_read_db(db_file, 0))
+        return text, {"example_values": 0, "dropped_examples": False, "truncated_schema": False, "chars": len(text)}
     return _fit(_read_db(db_file, example_values), example_values, max_chars)
 
 
@@ -148,12 +189,13 @@ def schema_from_tables_json(entry: dict) -> str:
     return "\n".join(_render(_tables_from_json(entry), 0))
 
 
-def build_messages(question: str, schema: str, evidence: str | None = None) -> list[dict]:
+def build_messages(question: str, schema: str, evidence: str | None = None, system: bool = True) -> list[dict]:
     parts = [f"Database schema:\n{schema}"]
     if evidence:
         parts.append(f"Evidence: {evidence}")
     parts += [f"Question: {question}", INSTRUCTION]
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
+    user = {"role": "user", "content": "\n\n".join(parts)}
+    return [{"role": "system", "content": SYSTEM}, user] if system else [user]
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> str:
@@ -165,8 +207,11 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
 class PromptBuilder:
     """Messages for gold examples; one schema per db_id, read once, from the .sqlite file or tables.json."""
 
-    def __init__(self, db_root, tables_json=None, example_values: int = 3, max_chars: int | None = MAX_CHARS):
-        self.db_root, self.tables_json = Path(db_root), tables_json
+    def __init__(self, db_root, tables_json=None, example_values: int = 3, max_chars: int | None = MAX_CHARS,
+                 style: str = "omnisql"):
+        if style not in STYLES:
+            raise SlmsqlError(f"unknown prompt style {style!r}; choose one of {STYLES}")
+        self.db_root, self.tables_json, self.style = Path(db_root), tables_json, style
         self.example_values, self.max_chars = example_values, max_chars
         self.info: dict[str, dict] = {}  # db_id -> what the length guard dropped
         self._schemas: dict[str, str] = {}
@@ -190,7 +235,7 @@ class PromptBuilder:
         if db_id not in self._schemas:
             path = db_path(self.db_root, db_id)
             if path.is_file():
-                text, info = schema_text(path, self.example_values, self.max_chars)
+                text, info = schema_text(path, self.example_values, self.max_chars, self.style)
             elif (entry := self._entry(db_id)) is not None:
                 text, info = _fit(_tables_from_json(entry, self.tables_json), 0, self.max_chars)
                 info["source"] = "tables.json"
@@ -203,4 +248,10 @@ class PromptBuilder:
     def messages(self, example) -> list[dict]:
         """Chat messages for an Example (or a dict with db_id, question and optional evidence)."""
         get = example.get if isinstance(example, dict) else lambda k: getattr(example, k, None)
-        return build_messages(get("question"), self.schema(get("db_id")), get("evidence"))
+        return build_messages(get("question"), self.schema(get("db_id")), get("evidence"),
+                              system=self.style == "omnisql")
+
+
+def builder_for(cfg, db_root=None) -> PromptBuilder:
+    """The prompt builder a stage config asks for (`prompt_style`, `example_values`)."""
+    return PromptBuilder(db_root or cfg.db_root, example_values=cfg.example_values, style=cfg.prompt_style)

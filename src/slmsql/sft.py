@@ -22,13 +22,21 @@ def answer(sql: str) -> str:
     return f"```sql\n{sql}\n```"
 
 
-def conversations(examples, db_root, example_values: int) -> list[dict]:
+def conversations(cfg, examples) -> list[dict]:
     """TRL's conversational prompt-completion rows: loss falls on the completion only."""
-    from .prompts import PromptBuilder
+    from .prompts import builder_for
 
-    builder = PromptBuilder(db_root, example_values=example_values)
+    builder = builder_for(cfg)
     return [{"prompt": builder.messages(ex), "completion": [{"role": "assistant", "content": answer(ex.sql)}]}
             for ex in examples]
+
+
+def device_args() -> dict:
+    """TRL configs default to bf16, which transformers refuses on a CPU: pick precision from the device."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
 
 
 def lora_config(cfg):
@@ -59,7 +67,7 @@ def main(cfg: SFTStageConfig) -> dict:
     with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run(
             "sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter}):
         # data
-        train = Dataset.from_list(conversations(examples, cfg.db_root, cfg.example_values))
+        train = Dataset.from_list(conversations(cfg, examples))
         frame = pd.DataFrame([e.to_json() for e in examples])
         mlflow.log_input(mlflow.data.from_pandas(frame, source=cfg.data, name="sft"), context="training")
         # model
@@ -72,7 +80,7 @@ def main(cfg: SFTStageConfig) -> dict:
             per_device_train_batch_size=cfg.per_device_train_batch_size, max_length=cfg.max_length,
             lr_scheduler_type="cosine", warmup_steps=min(30, cfg.max_steps // 10), seed=cfg.seed,
             logging_steps=max(1, cfg.max_steps // 50), save_strategy="no", report_to="none",
-            gradient_checkpointing=False, dataloader_num_workers=0, **extra)
+            gradient_checkpointing=False, dataloader_num_workers=0, **{**device_args(), **extra})
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                              peft_config=peft_config, callbacks=[tracking.trainer_callback()])
         t0 = time.time()

@@ -1,6 +1,6 @@
 """The embedded default model: a ~0.8M-parameter Qwen2 with a BPE tokenizer trained on the toy world.
 
-Its tokenizer sees the training splits' rendered prompts and answers (never dev or dev_cross questions),
+Its tokenizer sees the sft split's rendered prompts and answers (never dev or dev_cross questions),
 so identifiers of the shared lexicon become single tokens, which is what lets a tiny model copy them.
 """
 
@@ -19,23 +19,22 @@ from .outputs import staged
 log = logging.getLogger(__name__)
 
 
-def training_texts(toy_dir, example_values: int = 2) -> list[str]:
+def training_texts(cfg) -> list[str]:
     from jinja2 import Template
 
     from .models import CHATML_TEMPLATE
-    from .prompts import PromptBuilder
+    from .prompts import builder_for
     from .sft import answer
 
-    toy_dir = Path(toy_dir)
+    toy_dir = Path(cfg.data)
     if not (toy_dir / "sft.jsonl").is_file():
         raise SlmsqlError(f"{toy_dir} is not a toy world (no sft.jsonl); run `slmsql toy` first")
-    builder = PromptBuilder(toy_dir / "databases", example_values=example_values)
+    builder = builder_for(cfg, toy_dir / "databases")
     template = Template(CHATML_TEMPLATE)
     texts = []
-    for split in ("sft", "rl_source"):
-        for ex in read_gold(toy_dir / f"{split}.jsonl"):
-            messages = builder.messages(ex) + [{"role": "assistant", "content": answer(ex.sql)}]
-            texts.append(template.render(messages=messages, add_generation_prompt=False))
+    for ex in read_gold(toy_dir / "sft.jsonl"):
+        messages = builder.messages(ex) + [{"role": "assistant", "content": answer(ex.sql)}]
+        texts.append(template.render(messages=messages, add_generation_prompt=False))
     return texts
 
 
@@ -45,7 +44,7 @@ def main(cfg: TinyModelConfig) -> dict:
     from . import tracking
     from .models import build_tiny_model
 
-    texts = training_texts(cfg.data)
+    texts = training_texts(cfg)
     with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run("tiny-model", cfg):
         t0 = time.time()
         build_tiny_model(work, texts, vocab_size=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers,
@@ -58,5 +57,6 @@ def main(cfg: TinyModelConfig) -> dict:
                 "build_seconds": time.time() - t0}
         mlflow.log_metrics(info)
         (work / "tiny_model.json").write_text(json.dumps(info, indent=2))
+        mlflow.log_artifacts(str(work), "model")
     log.info("tiny model: %d parameters, vocab %d -> %s", n_params, info["vocab_size"], cfg.output_dir)
     return info

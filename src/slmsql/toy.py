@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import random
 import shutil
@@ -38,6 +39,8 @@ from pathlib import Path
 
 from .data import DIFFICULTIES, Example, write_jsonl
 from .errors import SlmsqlError
+
+log = logging.getLogger(__name__)
 
 EXAMPLE_VALUES = 2  # example values per column in the toy world's prompts (prompts.PromptBuilder)
 SPLITS = ("sft", "rl_source", "dev", "dev_cross")
@@ -545,7 +548,8 @@ def t_join_filter(db, rng):
     cond = _parent_filter(db, rng, parent)
     if not cond:
         return None
-    q = rng.choice(["List the {Ls} of {ts} whose {p} {cond}.", "Which {ts} belong to {ap} whose {cond}? Give their {Ls}."])
+    q = rng.choice(["List the {Ls} of {ts} whose {p} {cond}.",
+                    "Which {ts} belong to {ap} whose {cond}? Give their {Ls}."])
     sql = f"SELECT {child.name}.{child.shown} {_join(child, fk, parent)} WHERE {cond[1]}"
     return q.format(p=parent.name, ap=an(parent.name), cond=cond[0], **words(child)), sql
 
@@ -752,3 +756,19 @@ def generate(output_dir, seed: int, size: str = "small", overwrite: bool = False
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {**summary, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main(cfg) -> dict:
+    """`slmsql toy`: generate the world, then log its counts and the world itself to MLflow."""
+    import mlflow
+
+    from . import tracking
+
+    summary = generate(cfg.output_dir, cfg.seed, cfg.size, cfg.overwrite)
+    with tracking.stage_run("toy", cfg):
+        mlflow.log_metrics({f"{split}_{k}": v for split, c in summary["counts"].items() for k, v in c.items()})
+        mlflow.log_metric("generate_seconds", summary["seconds"])
+        mlflow.log_artifacts(str(cfg.output_dir), "toy")  # later steps take the world from the run
+    for split, c in summary["counts"].items():
+        log.info("%-10s %5d questions (%s)", split, c["total"], ", ".join(f"{d} {c[d]}" for d in DIFFICULTIES))
+    return summary

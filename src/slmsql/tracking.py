@@ -111,3 +111,37 @@ def trainer_callback():
                 mlflow.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
 
     return MlflowMetrics()
+
+
+def server_command(host: str, port: int, store: Path, artifacts: Path) -> list[str]:
+    """A real `mlflow server` on loopback with served artifacts, and without the job runner (which would
+    start 7 more workers and ~2 GB for features slmsql does not use)."""
+    import sys
+
+    return [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{Path(store).resolve()}",
+            "--serve-artifacts", "--artifacts-destination", str(Path(artifacts).resolve()), "--workers", "1"]
+
+
+def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifacts="mlartifacts",
+                 timeout_s: float = 60, log_file=None):
+    """Start the server, wait until /health answers, return (process, uri)."""
+    import subprocess
+    import time
+
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen(server_command(host, port, Path(store), Path(artifacts)), env=env,
+                            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    uri = f"http://{host}:{port}"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SlmsqlError(f"mlflow server exited with code {proc.returncode} (port {port} in use?)")
+        try:
+            with urllib.request.urlopen(uri + "/health", timeout=2):
+                return proc, uri
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SlmsqlError(f"mlflow server on {uri} did not become healthy within {timeout_s:.0f} s")

@@ -1,0 +1,287 @@
+"""The model card: facts gathered from the MLflow runs -> a context -> `model_card/README.md.j2` -> README.md.
+
+Every number on the card is read from a run (params, metrics, metrics.json, the filter's summary.json, the
+adapter's adapter_config.json); the wording of the conclusion is chosen from the verdicts the evaluate stage
+computed (McNemar at the run's alpha), never written in advance. The card depends only on the runs and the
+publish options, so publishing the same runs twice renders the same bytes (and the Hub makes no new commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import configs
+from .errors import SlmsqlError
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
+VERDICTS = ("improved", "regressed", "no significant difference")
+TELEMETRY = [  # (summary metric, per-step metric, label, what it means)
+    ("summary/frac_reward_zero_std", "frac_reward_zero_std", "frac_reward_zero_std",
+     "share of prompt groups whose completions all got the same reward: zero advantage, no gradient"),
+    ("summary/reward_std", "reward_std", "reward_std", "reward standard deviation within a group"),
+    ("summary/exec_frac_groups_correctness_varies", "exec/frac_groups_correctness_varies",
+     "groups with varying correctness",
+     "share of groups holding both right and wrong SQL: the signal about correctness"),
+    ("summary/exec_correct", "exec/correct", "sampled completions correct",
+     "share of training samples whose SQL matched gold"),
+    ("summary/reward", "reward", "reward", "mean total reward per completion"),
+    ("summary/grad_norm", "grad_norm", "grad_norm", "gradient norm before clipping"),
+    ("summary/completions_mean_length", "completions/mean_length", "completion length", "mean tokens per completion"),
+]
+
+
+@dataclass
+class Runs:
+    """What publish gathered: MLflow `Run` objects plus the artifacts the card reads."""
+
+    grpo: object
+    adapter_config: dict
+    evals: list = field(default_factory=list)  # [(evaluate Run, its metrics.json)]
+    baselines: dict = field(default_factory=dict)  # run id -> the baseline evaluate Run
+    filter: object = None
+    filter_summary: dict | None = None
+    history: dict = field(default_factory=dict)  # per-step metric -> [values], for ranges
+
+
+def hub_base_model(model: str) -> str | None:
+    """The Hub id of the base model, or None when it is only a local checkpoint.
+
+    A Hub id is used as is; a local Hub-cache snapshot (`.../models--org--name/snapshots/...`) is that id. Any
+    other local directory (a full fine-tune, a private checkpoint) names no weights the Hub has: an adapter on
+    it can be written out (--dry-run) but not published."""
+    if m := re.search(r"models--([\w.-]+)--([\w.-]+)", model):
+        return f"{m[1]}/{m[2]}"
+    local = Path(model).expanduser().is_dir() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+    return None if not model or local else model
+
+
+def _same(a: str, b: str) -> bool:
+    a, b = (str(x or "").strip().rstrip("/").lower() for x in (a, b))
+    return a == b or (bool(a) and bool(b) and a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1])
+
+
+def _num(value):
+    """MLflow params are strings; numbers back to numbers for formatting."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def command(stage: str, params: dict) -> str:
+    """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default."""
+    cls = configs.STAGES[stage]
+    defaults = dataclasses.asdict(cls())
+    lines = [f"slmsql {stage}"]
+    for f in dataclasses.fields(cls):
+        if f.name in ("overwrite", "resume", "run_name", "experiment"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "trainer_args":
+            lines += [f"{flag} {shlex.quote(k.split('.', 1)[1] + '=' + v)}"
+                      for k, v in sorted(params.items()) if k.startswith("trainer_args.")]
+            continue
+        value = params.get(f.name)
+        if value is not None and str(value) != str(defaults[f.name]):
+            lines.append(f"{flag} {shlex.quote(str(value))}")
+    return " \\\n    ".join(lines)
+
+
+def tldr(results: list[dict], start: str, telemetry: dict) -> str:
+    """The conclusion, chosen from the verdicts (never written in advance), then the numbers behind it."""
+    compared = [r for r in results if r["cmp"]]
+    if not compared:
+        return (f"No evaluation run compared this adapter with {start}, so this card claims no gain and no loss. "
+                + "; ".join(f"{r['dataset']}: EX {r['ex']:.1%}" for r in results) + ".")
+    by = {v: [r["dataset"] for r in compared if r["cmp"]["verdict"] == v] for v in VERDICTS}
+    up, down, null = by["improved"], by["regressed"], by["no significant difference"]
+    names = ", ".join
+    if up and down:
+        head = f"Mixed result: this adapter beats {start} on {names(up)} but is worse on {names(down)}."
+    elif up:
+        head = (f"This adapter beats {start} on every evaluated dataset." if not null else
+                f"This adapter beats {start} on {names(up)}; on {names(null)} the difference is not significant.")
+    elif down:
+        head = (f"This adapter is worse than {start} on every evaluated dataset." if not null else
+                f"This adapter does not beat {start}: it is worse on {names(down)} and not significantly "
+                f"different on {names(null)}.")
+    else:
+        head = f"This adapter does not beat {start}: a null result (no significant difference on any dataset)."
+    facts = "; ".join(f"{r['dataset']}: {r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%} "
+                      f"({pts(r['cmp']['diff'])} points, {1 - r['alpha']:.0%} CI [{pts(r['cmp']['diff_ci_low'])}, "
+                      f"{pts(r['cmp']['diff_ci_high'])}], McNemar p = {pval(r['cmp']['mcnemar_p'])})"
+                      for r in compared)
+    text = f"{head} {facts}."
+    if null:
+        mdds = [f"{r['dataset']} (n = {r['n']}): {mdd(r['cmp']['mdd'])}" for r in compared if r["dataset"] in null]
+        text += " Smallest differences these evaluations could reliably detect: " + "; ".join(mdds) + "."
+    said = {"summary/frac_reward_zero_std": "{:.0%} of groups had zero reward variance",
+            "summary/exec_frac_groups_correctness_varies": "correctness varied within {:.0%} of groups"}
+    signal = [text.format(telemetry[k]["mean"]) for k, text in said.items() if k in telemetry]
+    if signal:
+        text += " During training (means over steps), " + " and ".join(signal) + "."
+    return text
+
+
+# --- formatting, also used as Jinja filters ------------------------------------------------------------------
+def pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def pts(x) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}".replace("-", "−")
+
+
+def pval(p) -> str:
+    return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
+
+
+def mdd(x) -> str:
+    return "none at this n" if x is None or not math.isfinite(x) else f"{100 * x:.1f} points"
+
+
+def num(x, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}g}"
+
+
+def duration(seconds) -> str:
+    if seconds is None:
+        return "n/a"
+    h, m = divmod(round(seconds / 60), 60)
+    return f"{h} h {m} min" if h else f"{m} min" if m else f"{seconds:.0f} s"
+
+
+def md(text) -> str:
+    """Safe inside a Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+# --- context --------------------------------------------------------------------------------------------------
+def _results(runs: Runs) -> list[dict]:
+    rows = []
+    for run, m in runs.evals:
+        tags, cmp = run.data.tags, m.get("comparison")
+        if cmp and cmp.get("verdict") not in VERDICTS:
+            raise SlmsqlError(f"evaluation run {run.info.run_id}: unknown verdict {cmp.get('verdict')!r}")
+        alpha = _num(run.data.params.get("alpha")) or 0.05
+        # with a comparison, both runs' intervals come from it: one confidence level (1 - alpha) per row
+        lo, hi = (cmp["ex_a_ci_low"], cmp["ex_a_ci_high"]) if cmp else (m["ex_ci_low"], m["ex_ci_high"])
+        rows.append({"dataset": tags["slmsql.dataset"], "match": tags.get("slmsql.match", ""),
+                     "run_id": run.info.run_id, "n": m["n"], "ex": m["ex"], "ex_lo": lo, "ex_hi": hi,
+                     "n_correct": m["n_correct"], "alpha": alpha, "level": 1 - alpha if cmp else 0.95, "cmp": cmp,
+                     "difficulty": {k[3:]: (v, m.get("n_" + k[3:])) for k, v in sorted(m.items())
+                                    if k.startswith("ex_") and k[3:] not in ("ci_low", "ci_high")}})
+    return rows
+
+
+def _buckets(summary: dict | None) -> dict | None:
+    if summary is None:
+        return None
+    b, k = summary["buckets"], summary["k"]
+    rows = [("band", f"{summary['low']} < p < {summary['high']}", b["band"]),
+            ("all fail", f"0/{k}", b["all_fail"]), ("all pass", f"{k}/{k}", b["all_pass"])]
+    rows += [("out of band", rate, n) for rate, n in b["out_of_band"].items()]
+    rows.append(("errors (no database, or gold SQL fails)", "—", b["errors"]))
+    total = sum(n for _, _, n in rows)
+    if total != summary["n_source"]:
+        raise SlmsqlError(f"filter summary.json: buckets add up to {total}, not n_source={summary['n_source']}")
+    return {"rows": rows, "total": total, "n_source": summary["n_source"], "k": k}
+
+
+def _telemetry(runs: Runs) -> dict:
+    metrics, out = runs.grpo.data.metrics, {}
+    for key, step_key, label, meaning in TELEMETRY:
+        if key in metrics:
+            hist = runs.history.get(step_key) or []
+            out[key] = {"label": label, "meaning": meaning, "mean": metrics[key],
+                        "min": min(hist) if hist else None, "max": max(hist) if hist else None}
+    return out
+
+
+def _targets(adapter_config: dict) -> str:
+    """PEFT saves 'all-linear' resolved to module paths; the layer-independent names say the same, shorter."""
+    targets = adapter_config.get("target_modules") or []
+    if isinstance(targets, str):
+        return targets
+    return ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+
+
+def _start_label(runs: Runs) -> str:
+    """How the card names the comparison point: only call it the SFT start when the baseline evaluated it."""
+    base_adapter = runs.grpo.data.tags.get("slmsql.base_adapter", "")
+    adapters = {run.data.tags.get("slmsql.adapter", "") for run in runs.baselines.values()}
+    if base_adapter and adapters and all(_same(a, base_adapter) for a in adapters):
+        return "its SFT starting point"
+    if not base_adapter and adapters == {""}:
+        return "its starting model"
+    return "its baseline"
+
+
+def context(runs: Runs, cfg) -> dict:
+    grpo = runs.grpo
+    p, tags, metrics = grpo.data.params, grpo.data.tags, grpo.data.metrics
+    model = tags.get("slmsql.model", "")
+    results = _results(runs)
+    telemetry = _telemetry(runs)
+    start = _start_label(runs)
+    cmds = []
+    if runs.filter is not None:
+        cmds.append(("pass-rate filter: sample the start policy K times per question, keep the band",
+                     command("filter", runs.filter.data.params)))
+    cmds.append(("GRPO on the band" if runs.filter is not None else "GRPO", command("grpo", p)))
+    for r in results:
+        if r["cmp"] and r["cmp"]["baseline_run"] in runs.baselines:
+            cmds.append((f"evaluate the starting point on {r['dataset']}",
+                         command("evaluate", runs.baselines[r["cmp"]["baseline_run"]].data.params)))
+        run = next(run for run, _ in runs.evals if run.info.run_id == r["run_id"])
+        note = " (--baseline-run: the id of the run above, new in your store)" if r["cmp"] else ""
+        cmds.append((f"evaluate the GRPO adapter on {r['dataset']}{note}", command("evaluate", run.data.params)))
+    # only what shapes the pushed files: the output folder or a registry alias must not change the card
+    shaping = {k: v for k, v in configs.to_params(cfg).items()
+               if k in ("grpo_run", "eval_runs", "filter_run", "repo_id", "private", "license")}
+    cmds.append(("this card (run ids: those of the runs above)", command("publish", shaping)))
+    return {
+        "model_name": cfg.repo_id.split("/")[1], "repo_id": cfg.repo_id,
+        "base_model": hub_base_model(model) or model, "base_on_hub": hub_base_model(model) is not None,
+        "model_tag": model,
+        "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
+        "start": start, "tldr": tldr(results, start, telemetry), "results": results,
+        "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",
+        "buckets": _buckets(runs.filter_summary), "filter_params": runs.filter.data.params if runs.filter else {},
+        "telemetry": telemetry, "p": p, "lora": runs.adapter_config, "lora_targets": _targets(runs.adapter_config),
+        "steps": metrics.get("steps"), "train_seconds": metrics.get("train_seconds"),
+        "rewards": [x.strip() for x in p.get("rewards", "").split(",") if x.strip()],
+        "commands": cmds, "grpo_run": grpo.info.run_id,
+        "filter_run": runs.filter.info.run_id if runs.filter else "",
+    }
+
+
+def card_data(ctx: dict, license: str):
+    from huggingface_hub import EvalResult, ModelCardData
+
+    evals = [EvalResult(task_type="text-generation", task_name="Text-to-SQL", dataset_type=r["dataset"],
+                        dataset_name=r["dataset"], metric_type="execution_accuracy",
+                        metric_name=f"Execution accuracy ({r['match']} match, greedy, %)",
+                        metric_value=round(100 * r["ex"], 1)) for r in ctx["results"]]
+    return ModelCardData(base_model=ctx["base_model"], library_name="peft", license=license,
+                         pipeline_tag="text-generation", tags=["text-to-sql", "sql", "grpo", "lora", "trl", "slmsql"],
+                         model_name=ctx["model_name"], eval_results=evals or None)
+
+
+def render(ctx: dict, data) -> str:
+    import jinja2
+
+    if not (TEMPLATE_DIR / "README.md.j2").is_file():
+        raise SlmsqlError(f"model card template not found: {TEMPLATE_DIR / 'README.md.j2'}")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env.filters.update(pct=pct, pts=pts, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
+    try:
+        return env.get_template("README.md.j2").render(front_matter=data.to_yaml(), **ctx)
+    except jinja2.UndefinedError as e:  # a run that lacks a param or metric the card states
+        raise SlmsqlError(f"model card: the runs lack a value the card needs ({e.message})") from None

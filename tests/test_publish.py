@@ -1,0 +1,480 @@
+"""publish: card from MLflow runs, one Hub commit (against the loopback stand-in), registry version, no token leaks.
+
+One module-level MLflow store holds the input runs (a GRPO run with a real tiny PEFT adapter, a filter run,
+SFT and GRPO evaluation runs); each test gets its own copy of that store, so tests cannot see each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from hubstub import HubStub
+from slmsql import stats
+from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, to_params
+from slmsql.errors import SlmsqlError
+from slmsql.scoring import summarize
+
+BASE = "slmsql-test/tiny-qwen2"  # what the runs name; the weights sit in a Hub-cache snapshot of that id
+REPO = "stub-user/tiny-grpo"
+TEXTS = ["CREATE TABLE item (id INTEGER, name TEXT, price REAL)", "How many items cost more than 2?",
+         "SELECT count(*) FROM item WHERE price > 2", "SELECT name FROM item ORDER BY price DESC LIMIT 1"] * 4
+FILTER_SUMMARY = {"n_source": 51, "k": 8, "low": 0.2, "high": 0.8,
+                  "buckets": {"band": 12, "all_fail": 20, "all_pass": 9, "out_of_band": {"1/8": 5, "7/8": 4},
+                              "errors": 1},
+                  "histogram": {"0/8": 20, "1/8": 5, "2/8": 3, "3/8": 3, "4/8": 2, "5/8": 2, "6/8": 2, "7/8": 4,
+                                "8/8": 9}, "error_ids": ["q50"]}
+
+
+def pairs(both_right: int, only_a: int, only_b: int, both_wrong: int) -> tuple[list[bool], list[bool]]:
+    a = [True] * both_right + [True] * only_a + [False] * only_b + [False] * both_wrong
+    b = [True] * both_right + [False] * only_a + [True] * only_b + [False] * both_wrong
+    return a, b
+
+
+def metrics_json(correct: list[bool], baseline: list[bool] | None = None, baseline_run: str = "") -> dict:
+    rows = [{"correct": c, "status": "ok" if c else "error", "difficulty": "simple" if i % 2 else "moderate"}
+            for i, c in enumerate(correct)]
+    m = summarize(rows)
+    if baseline is not None:
+        m["comparison"] = {"baseline_run": baseline_run, **stats.compare(correct, baseline)}
+    return m
+
+
+def build_adapter(root: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slmsql.models import build_tiny_model
+
+    snapshot = build_tiny_model(root / "hub" / "models--slmsql-test--tiny-qwen2" / "snapshots" / ("0" * 40), TEXTS,
+                                vocab_size=300, hidden=32, layers=1, heads=4, ffn=64)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(snapshot),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
+                                      task_type="CAUSAL_LM"))
+    adapter = root / "adapter"
+    model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(snapshot).save_pretrained(adapter)
+    (adapter / "slmsql_grpo_config.json").write_text(json.dumps({"model": BASE, "lora_r": 8}))
+    return adapter
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The input runs, in a template store that each test copies."""
+    import mlflow
+    import pandas as pd
+    from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
+
+    root = tmp_path_factory.mktemp("world")
+    adapter = build_adapter(root)
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root}/template.db")
+    exp = client.create_experiment("inputs", artifact_location=str(root / "artifacts"))
+    now = int(time.time() * 1000)
+
+    def run(stage: str, cfg, tags: dict, metrics: dict, artifacts: dict, history: dict | None = None) -> str:
+        r = client.create_run(exp, tags={"slmsql.stage": stage, **tags})
+        rid = r.info.run_id
+        client.log_batch(rid, params=[Param(k, v) for k, v in to_params(cfg).items()],
+                         metrics=[Metric(k, v, now, 0) for k, v in metrics.items()] +
+                         [Metric(k, v, now, s) for k, vs in (history or {}).items() for s, v in enumerate(vs, 1)],
+                         tags=[RunTag(k, v) for k, v in tags.items()])
+        for name, content in artifacts.items():
+            if isinstance(content, Path):
+                client.log_artifacts(rid, str(content), name)
+            else:
+                path = root / "upload" / rid / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(content))
+                client.log_artifact(rid, str(path))
+        client.set_terminated(rid)
+        return rid
+
+    ids = {}
+    grpo_cfg = GRPOStageConfig(model=BASE, base_adapter="adapters/sft", max_steps=40, learning_rate=1e-5,
+                               data="outputs/filter/band.jsonl")
+    summary = {"summary/reward": 0.61, "summary/reward_std": 0.44, "summary/frac_reward_zero_std": 0.12,
+               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48,
+               "summary/exec_frac_groups_correctness_varies": 0.81, "summary/completions_mean_length": 80.5,
+               "train_seconds": 9720.0, "steps": 40}
+    ids["grpo"] = run("grpo", grpo_cfg, {"slmsql.model": BASE, "slmsql.base_adapter": "adapters/sft",
+                                         "slmsql.adapter_mode": "continue"}, summary,
+                      {"adapter": adapter, "summary.json": summary},
+                      history={"frac_reward_zero_std": [0.2, 0.1, 0.05], "reward_std": [0.4, 0.45, 0.47]})
+    band = mlflow.data.from_pandas(pd.DataFrame({"id": [f"q{i}" for i in range(12)]}), source="band.jsonl", name="rl")
+    client.log_inputs(ids["grpo"], [DatasetInput(band._to_mlflow_entity(),
+                                                 [InputTag("mlflow.data.context", "training")])])
+    ids["filter"] = run("filter", FilterConfig(model=BASE, adapter="adapters/sft"),
+                        {"slmsql.model": BASE, "slmsql.adapter": "adapters/sft"},
+                        {"n_source": 51, "band": 12}, {"summary.json": FILTER_SUMMARY})
+
+    def evaluate(dataset: str, adapter_tag: str, correct, baseline=None, baseline_run="", model=BASE) -> str:
+        cfg = EvaluateConfig(data=f"data/{dataset}.jsonl", db_root="dbs", model=model, adapter=adapter_tag,
+                             baseline_run=baseline_run, dataset_name=dataset)
+        tags = {"slmsql.dataset": dataset, "slmsql.match": "bird", "slmsql.model": model,
+                "slmsql.adapter": adapter_tag}
+        m = metrics_json(correct, baseline, baseline_run)
+        return run("evaluate", cfg, tags, {"ex": m["ex"]}, {"metrics.json": m})
+
+    # the seed's numbers: BIRD 55/149 -> 54/149, Spider 164/200 -> 166/200 (a null result) ...
+    bird_a, bird_b = pairs(50, 4, 5, 90)
+    spider_a, spider_b = pairs(160, 6, 4, 30)
+    # ... and an improvement on BIRD: 55/149 -> 80/149
+    better_a, better_b = pairs(52, 28, 3, 66)
+    ids["sft_bird"] = evaluate("bird", "adapters/sft", bird_b)
+    ids["sft_spider"] = evaluate("spider", "adapters/sft", spider_b)
+    ids["grpo_bird"] = evaluate("bird", "outputs/grpo/adapter", bird_a, bird_b, ids["sft_bird"])
+    ids["grpo_spider"] = evaluate("spider", "outputs/grpo/adapter", spider_a, spider_b, ids["sft_spider"])
+    ids["better_bird"] = evaluate("bird", "outputs/grpo/adapter", better_a, better_b, ids["sft_bird"])
+    ids["other_base"] = evaluate("bird", "outputs/grpo/adapter", bird_a, model="other-org/other-model")
+
+    # an adapter on a local checkpoint (a full fine-tune): publishable as a dry run only
+    snapshot = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    policy = shutil.copytree(snapshot, root / "sft-policy")
+    local_adapter = shutil.copytree(adapter, root / "local-adapter")
+    conf = json.loads((local_adapter / "adapter_config.json").read_text())
+    (local_adapter / "adapter_config.json").write_text(json.dumps({**conf, "base_model_name_or_path": str(policy)}))
+    ids["local_grpo"] = run("grpo", dataclasses.replace(grpo_cfg, model=str(policy), base_adapter=""),
+                            {"slmsql.model": str(policy), "slmsql.base_adapter": "", "slmsql.adapter_mode": "none"},
+                            summary, {"adapter": local_adapter})
+    ids["local_eval"] = evaluate("toy-dev", "outputs/grpo/adapter", bird_a, model=str(policy))
+    return {"root": root, "adapter": adapter, "ids": ids, "db": root / "template.db"}
+
+
+@pytest.fixture
+def store(world, tmp_path, monkeypatch):
+    """This test's own copy of the world's store, at the path conftest pointed MLFLOW_TRACKING_URI to."""
+    import os
+
+    import mlflow
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    shutil.copy(world["db"], uri.removeprefix("sqlite:///"))
+    monkeypatch.chdir(tmp_path)  # the publish run's artifacts land under ./mlruns, inside this test's folder
+    mlflow.set_tracking_uri(uri)  # a process-wide setting: an earlier test's store would otherwise win
+    yield world["ids"]
+    mlflow.set_tracking_uri(None)  # and this test's store must not outlive it (publish sets it too)
+
+
+@pytest.fixture
+def hub(monkeypatch, world):
+    size = (world["adapter"] / "adapter_model.safetensors").stat().st_size
+    with HubStub(lfs_threshold=size) as stub:  # the weights go LFS, the small JSON files inline
+        stub.configure_client(monkeypatch)
+        yield stub
+
+
+def config(ids, tmp_path, evals=("grpo_bird", "grpo_spider"), **kw) -> PublishConfig:
+    values = dict(grpo_run=ids["grpo"], eval_runs=",".join(ids[e] for e in evals), filter_run=ids["filter"],
+                  repo_id=REPO, output_dir=str(tmp_path / "out"))
+    return PublishConfig(**{**values, **kw})
+
+
+def front_matter(text: str) -> dict:
+    return yaml.safe_load(re.match(r"---\n(.*?)\n---\n", text, re.S).group(1))
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
+    from slmsql.publish import main
+
+    result = main(config(store, tmp_path, dry_run=True))
+    out = tmp_path / "out"
+    adapter_files = {p.name for p in world["adapter"].iterdir()}
+    assert {p.name for p in out.iterdir()} == adapter_files | {"README.md"} == set(result["files"])
+    for name in adapter_files - {"README.md"}:  # the adapter as the GRPO run logged it, byte for byte
+        assert (out / name).read_bytes() == (world["adapter"] / name).read_bytes()
+    card = (out / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == BASE and meta["library_name"] == "peft" and meta["license"] == "apache-2.0"
+    results = {r["dataset"]["type"]: r["metrics"][0] for r in meta["model-index"][0]["results"]}
+    assert {k: v["value"] for k, v in results.items()} == {"bird": 36.2, "spider": 83.0}
+    assert {v["type"] for v in results.values()} == {"execution_accuracy"}
+    assert "hub_url" not in result and not (tmp_path / "out.partial").exists()
+
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    assert "slmsql.hub_url" not in client.get_run(store["grpo"]).data.tags
+    assert client.search_registered_models() == []  # a dry run registers nothing
+    publish = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0]
+    assert publish.data.tags["slmsql.stage"] == "publish"
+    card_artifact = mlflow.artifacts.download_artifacts(run_id=publish.info.run_id, artifact_path="card/README.md",
+                                                        dst_path=str(tmp_path / "dl"))
+    assert Path(card_artifact).read_text() == card
+
+
+def test_card_states_the_runs_numbers(store, tmp_path):
+    from slmsql.publish import main
+
+    main(config(store, tmp_path, dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    results = section(card, "Results")
+    bird = next(line for line in results.splitlines() if line.startswith("| bird "))
+    assert "36.9%" in bird and "36.2%" in bird and "−0.7" in bird and "no significant difference" in bird
+    assert "| 4 / 5 |" in bird  # only GRPO right / only SFT right
+    spider = next(line for line in results.splitlines() if line.startswith("| spider "))
+    assert "82.0%" in spider and "83.0%" in spider and "+1.0" in spider
+    details = section(card, "Training details")
+    assert "r = 8, alpha = 16" in details and "adapters/sft" in details and "1e-05 (cosine schedule)" in details
+    assert "2 h 42 min" in details and "40 of 40 planned" in details
+    signal = section(card, "Training signal")
+    assert "| frac_reward_zero_std | 0.12 | 0.05 – 0.2 |" in signal and "| grad_norm | 0.5 | — |" in signal
+    limits = section(card, "Intended use and limitations")
+    assert re.search(r"With n = 149 on bird, differences under \d+\.\d points cannot be reliably detected", limits)
+    repro = section(card, "Reproduce")
+    assert "slmsql grpo" in repro and "--learning-rate 1e-05" in repro and "--max-steps 40" in repro
+    assert "slmsql filter" in repro and repro.count("slmsql evaluate") == 4
+    prov = section(card, "Provenance")
+    assert all(store[k] in prov for k in ("grpo", "filter", "grpo_bird", "grpo_spider", "sft_bird", "sft_spider"))
+
+
+def test_verdict_wording_follows_the_statistics(store, tmp_path):
+    from slmsql.publish import main
+
+    main(config(store, tmp_path, dry_run=True))
+    null = (tmp_path / "out" / "README.md").read_text()
+    main(config(store, tmp_path, evals=("better_bird", "grpo_spider"), dry_run=True, overwrite=True))
+    mixed = (tmp_path / "out" / "README.md").read_text()
+    main(config(store, tmp_path, evals=("better_bird",), dry_run=True, overwrite=True))
+    better = (tmp_path / "out" / "README.md").read_text()
+
+    tldr = {name: re.search(r"\*\*TL;DR\.\*\* (.*)", text).group(1) for name, text in
+            (("null", null), ("mixed", mixed), ("better", better))}
+    assert "does not beat its SFT starting point: a null result" in tldr["null"]
+    assert "36.9% → 36.2% (−0.7 points" in tldr["null"] and "could reliably detect" in tldr["null"]
+    assert "beats its SFT starting point on bird; on spider the difference is not significant" in tldr["mixed"]
+    assert tldr["better"].startswith("This adapter beats its SFT starting point on every evaluated dataset.")
+    assert "36.9% → 53.7% (+16.8 points" in tldr["better"]
+    assert "null" not in tldr["better"] + tldr["mixed"]
+    assert "12% of groups had zero reward variance" in tldr["null"]
+
+
+def test_every_filter_bucket_is_listed_and_adds_up(store, tmp_path):
+    from slmsql.publish import main
+
+    main(config(store, tmp_path, dry_run=True))
+    table = section((tmp_path / "out" / "README.md").read_text(), "RL data: pass-rate filter")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    counts = {(name, rate): int(n) for name, rate, n in rows[1:] if name != "**total**"}
+    assert counts == {("band", "0.2 < p < 0.8"): 12, ("all fail", "0/8"): 20, ("all pass", "8/8"): 9,
+                      ("out of band", "1/8"): 5, ("out of band", "7/8"): 4,
+                      ("errors (no database, or gold SQL fails)", "—"): 1}
+    assert sum(counts.values()) == FILTER_SUMMARY["n_source"]
+    assert "**51** (= 51 questions sampled)" in table
+
+
+def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path, monkeypatch, caplog):
+    import mlflow
+
+    from slmsql.publish import main
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    caplog.set_level(logging.DEBUG)
+    result = main(config(store, tmp_path, endpoint=hub.url, private=True))
+
+    commits = hub.repos[REPO]["commits"]
+    assert list(hub.repos) == [REPO] and hub.repos[REPO]["private"] and len(commits) == 1
+    assert store["grpo"] in commits[0]["message"] and result["hub_commit"] == commits[0]["oid"]
+    out = tmp_path / "out"
+    assert hub.files(REPO) == {p.name: p.read_bytes() for p in out.iterdir()}
+    meta = front_matter(hub.files(REPO)["README.md"].decode())
+    assert [r["metrics"][0]["value"] for r in meta["model-index"][0]["results"]] == [36.2, 83.0]
+    commit = next(r for r in hub.requests if r["path"] == f"/api/models/{REPO}/commit/main")
+    kinds = {json.loads(line)["value"].get("path"): json.loads(line)["key"] for line in commit["body"].splitlines()}
+    assert kinds["adapter_model.safetensors"] == "lfsFile" and kinds["adapter_config.json"] == "file"
+    assert kinds["README.md"] == "file" and hub.unhandled == []
+
+    client = mlflow.MlflowClient()
+    tags = client.get_run(store["grpo"]).data.tags
+    assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}" and tags["slmsql.hub_commit"] == result["hub_commit"]
+    version = client.get_model_version_by_alias("tiny-grpo", "candidate")
+    assert version.source == f"runs:/{store['grpo']}/adapter" and version.run_id == store["grpo"]
+    assert version.tags["hub_commit"] == result["hub_commit"] and version.tags["hub_repo"] == REPO
+    assert version.tags["eval_runs"] == f"{store['grpo_bird']},{store['grpo_spider']}"
+
+    # the token travels only in the Authorization header: not in any path, query or body ...
+    token = hub.token.encode()
+    for r in hub.requests:
+        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
+    # ... and nowhere on disk: tracking store, every artifact folder, the pushed folder; nor in the logs
+    for root in (tmp_path, world["root"]):
+        for path in root.rglob("*"):
+            assert not path.is_file() or token not in path.read_bytes(), path
+    assert hub.token not in caplog.text and caplog.text  # something was logged, and not the token
+
+
+def test_republishing_is_idempotent(store, hub, tmp_path, monkeypatch):
+    import mlflow
+
+    from slmsql.publish import main
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    first = main(config(store, tmp_path))
+    again = main(config(store, tmp_path, overwrite=True))
+    assert first["new_commit"] and not again["new_commit"] and again["hub_commit"] == first["hub_commit"]
+    assert list(hub.repos) == [REPO] and len(hub.repos[REPO]["commits"]) == 1
+    assert again["model_version"] == first["model_version"] == 1
+    assert len(mlflow.MlflowClient().search_model_versions("name='tiny-grpo'")) == 1
+
+
+def test_no_token_fails_before_any_request(store, hub, tmp_path):
+    from slmsql.publish import main
+
+    with pytest.raises(SlmsqlError, match="no Hugging Face token"):
+        main(config(store, tmp_path))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(repo_id="not a repo"), "repo-id"),
+    (dict(repo_id="just-a-name"), "OWNER/NAME"),
+    (dict(repo_id="a/b/c"), "repo-id"),
+    (dict(grpo_run="0" * 32), "does not exist"),
+    (dict(grpo_run="filter"), "has stage 'filter', expected 'grpo'"),
+    (dict(eval_runs="grpo"), "has stage 'grpo', expected 'evaluate'"),
+    (dict(eval_runs="other_base"), "evaluated base model 'other-org/other-model'"),
+    (dict(eval_runs="grpo_bird,better_bird"), "one per dataset"),
+    (dict(filter_run="sft_bird"), "expected 'filter'"),
+    (dict(eval_runs=""), "--eval-runs"),
+    (dict(alias="v3"), "reserved"),
+])
+def test_bad_input_is_refused_before_anything_is_written(store, hub, tmp_path, monkeypatch, change, message):
+    import mlflow
+
+    from slmsql.publish import main
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    ids = {k: v for k, v in store.items()}
+    change = {k: ",".join(ids.get(x, x) for x in v.split(",")) if k.endswith("_run") or k == "eval_runs" else v
+              for k, v in change.items()}
+    with pytest.raises(SlmsqlError, match=re.escape(message)):
+        main(config(store, tmp_path, **change))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+    assert mlflow.MlflowClient().get_experiment_by_name("slmsql") is None  # no publish run either
+
+
+def test_filter_run_of_other_data_is_refused(store, tmp_path, monkeypatch):
+    import mlflow
+
+    from slmsql.publish import main
+
+    summary = {**FILTER_SUMMARY, "buckets": {**FILTER_SUMMARY["buckets"], "band": 13, "all_fail": 19}}
+    exp = mlflow.create_experiment("other", artifact_location=str(tmp_path / "other"))
+    with mlflow.start_run(experiment_id=exp, tags={"slmsql.stage": "filter"}) as run:
+        from slmsql.tracking import log_json
+
+        log_json(summary, "summary.json")
+    with pytest.raises(SlmsqlError, match="kept 13 band questions, but GRPO run .* trained on 12"):
+        main(config(store, tmp_path, filter_run=run.info.run_id, dry_run=True))
+
+
+@pytest.mark.parametrize("counts, expected", [
+    ({"bird": (50, 4, 5, 90), "spider": (160, 6, 4, 30)}, "does not beat its SFT starting point: a null result"),
+    ({"bird": (52, 28, 3, 66), "spider": (160, 25, 2, 13)}, "beats its SFT starting point on every evaluated dataset"),
+    ({"bird": (52, 3, 28, 66), "spider": (160, 2, 25, 13)}, "is worse than its SFT starting point on every evaluated"),
+    ({"bird": (52, 3, 28, 66), "spider": (160, 6, 4, 30)},
+     "does not beat its SFT starting point: it is worse on bird and not significantly different on spider"),
+    ({"bird": (52, 28, 3, 66), "spider": (160, 2, 25, 13)},
+     "Mixed result: this adapter beats its SFT starting point on bird but is worse on spider"),
+])
+def test_tldr_is_chosen_by_the_verdicts(counts, expected):
+    from slmsql.card import tldr
+
+    results = []
+    for dataset, c in counts.items():
+        a, b = pairs(*c)
+        results.append({"dataset": dataset, "n": len(a), "ex": sum(a) / len(a), "alpha": 0.05,
+                        "cmp": stats.compare(a, b)})
+    text = tldr(results, "its SFT starting point", {})
+    assert expected in text
+    assert ("null result" in text) == (expected.endswith("a null result"))
+    for r in results:  # the numbers behind the headline are the comparison's
+        assert f"{r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%}" in text
+    assert "claims no gain" in tldr([{**results[0], "cmp": None}], "its SFT starting point", {})
+
+
+def test_card_check_refuses_what_the_hub_would_not_read():
+    from huggingface_hub import EvalResult, ModelCardData
+
+    from slmsql.publish import check_card
+
+    data = ModelCardData(base_model="a/b", library_name="peft", license="mit", tags=["text-to-sql"], model_name="m",
+                         eval_results=[EvalResult(task_type="text-generation", dataset_type="bird", dataset_name="bird",
+                                                  metric_type="execution_accuracy", metric_value=36.2)])
+    good = f"---\n{data.to_yaml()}\n---\n\n# m\n"
+    check_card(good, data)
+    bad = {"does not parse": "---\nlicense: [mit\n---\n# m\n",
+           "library_name: peft": good.replace("library_name: peft", "library_name: transformers"),
+           "base_model": good.replace("base_model: a/b\n", ""),
+           "round-trip": good.replace("value: 36.2", "value: 36.3")}
+    for message, text in bad.items():
+        with pytest.raises(SlmsqlError, match=message):
+            check_card(text, data)
+
+
+def test_grpo_run_without_adapter_is_refused(store, tmp_path):
+    import mlflow
+
+    from slmsql.publish import main
+
+    exp = mlflow.create_experiment("other", artifact_location=str(tmp_path / "other"))
+    with mlflow.start_run(experiment_id=exp, tags={"slmsql.stage": "grpo", "slmsql.model": BASE}) as run:
+        pass
+    with pytest.raises(SlmsqlError, match="has no artifact 'adapter'"):
+        main(config(store, tmp_path, grpo_run=run.info.run_id, dry_run=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_base_model():
+    from slmsql.card import hub_base_model
+
+    assert hub_base_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert hub_base_model("/cache/hub/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/abc") == "Qwen/Qwen2.5-Coder-1.5B"
+    assert [hub_base_model(p) for p in ("/models/my-sft", "./outputs/sft", "a/b/c", "")] == [None] * 4
+
+
+def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_path, monkeypatch, caplog):
+    from slmsql.publish import main
+
+    local = dict(grpo_run=store["local_grpo"], eval_runs=store["local_eval"], filter_run="")
+    main(config(store, tmp_path, dry_run=True, **local))
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert front_matter(card)["base_model"] == str(world["root"] / "sft-policy")
+    assert "the local checkpoint `" in card and "could be written, not pushed" in caplog.text
+    assert "## RL data" not in card and "claims no gain and no loss" in card  # no filter run, no baseline
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    with pytest.raises(SlmsqlError, match="is a local checkpoint, not a Hub model id"):
+        main(config(store, tmp_path, overwrite=True, **local))
+    assert hub.requests == []
+
+
+def test_cli_dry_run(store, tmp_path):
+    from slmsql.cli import main
+
+    cfg = config(store, tmp_path)
+    args = ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", cfg.eval_runs, "--filter-run", cfg.filter_run,
+            "--repo-id", REPO, "--output-dir", cfg.output_dir, "--license", "mit", "--dry-run"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert front_matter((tmp_path / "out" / "README.md").read_text())["license"] == "mit"
+    bad = CliRunner().invoke(main, [a if a != REPO else "no/such/repo" for a in args[:-1]] + ["--overwrite"])
+    assert bad.exit_code == 2 and "error: --repo-id 'no/such/repo'" in bad.output
+
+
+def test_config_holds_no_token_field():
+    names = {f.name for f in dataclasses.fields(PublishConfig)}
+    assert not {n for n in names if "token" in n}
