@@ -4,7 +4,7 @@ BIN    := $(VENV)/bin
 TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install demo test test-fast server bench clean
+.PHONY: install demo score-example test test-fast server bench clean
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -17,8 +17,11 @@ $(BIN)/slmsql: pyproject.toml
 install: $(BIN)/slmsql
 
 demo: install
+	$(BIN)/slmsql pipeline
+
+score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \
-	  --predictions examples/predictions.jsonl --output-dir outputs/demo-evaluate --overwrite
+	  --predictions examples/predictions.jsonl --output-dir outputs/example-evaluate --overwrite
 
 test: install
 	$(BIN)/pytest -q
@@ -31,6 +34,7 @@ server: install
 
 bench: install
 	$(BIN)/python bench/scoring.py
+	$(BIN)/python bench/evaluate.py
 
 clean:
 	rm -rf outputs mlruns mlflow.db mlartifacts

@@ -64,11 +64,15 @@ class Steps:
         self.client.set_tag(sub.run_id, "slmsql.code_version", self.version)
         return self.client.get_run(sub.run_id)
 
-    @staticmethod
-    def artifact(run, path: str) -> str:
+    def artifact(self, run, path: str) -> str:
+        """A step's output, fetched by run URI into a stable folder (a stable path keeps reuse matching)."""
         import mlflow
 
-        return mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path)
+        dst = self.out / "from-runs" / run.info.run_id
+        if (dst / path).exists():
+            return str(dst / path)
+        dst.mkdir(parents=True, exist_ok=True)
+        return mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path, dst_path=str(dst))
 
 
 def main(cfg: PipelineConfig) -> dict:

@@ -22,6 +22,9 @@ def configure() -> str:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     uri = os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    os.environ["MLFLOW_TRACKING_URI"] = uri  # steps started by `mlflow run` must write to the same store
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as r:
@@ -145,3 +148,36 @@ def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifact
             time.sleep(0.5)
     proc.terminate()
     raise SlmsqlError(f"mlflow server on {uri} did not become healthy within {timeout_s:.0f} s")
+
+
+KEY_METRICS = {"toy": ("sft_total", "dev_total", "dev_cross_total"), "tiny-model": ("parameters",),
+               "sft": ("train_loss", "steps"), "filter": ("band", "all_fail", "all_pass", "out_of_band", "errors"),
+               "grpo": ("summary/frac_reward_zero_std", "summary/reward_std",
+                        "summary/exec_frac_groups_correctness_varies", "steps"),
+               "evaluate": ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline_diff", "vs_baseline_mcnemar_p"),
+               "publish": (), "validate": ("n_failed",), "pipeline": ("grpo_ex_dev", "grpo_ex_dev_cross")}
+
+
+def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
+    """The latest runs, one line each, with the metrics that matter for their stage."""
+    import mlflow
+
+    configure()
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SlmsqlError(f"no experiment {experiment!r} in {mlflow.get_tracking_uri()}")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit)
+    lines = [f"{'run':<20} {'stage':<10} {'status':<9} {'run id':<32}  metrics"]
+    for r in reversed(runs):
+        stage = r.data.tags.get("slmsql.stage", "?")
+        shown = []
+        for k in KEY_METRICS.get(stage, ()):
+            if k in r.data.metrics:
+                v = r.data.metrics[k]
+                shown.append(f"{k.split('/')[-1]}={v:.3g}")
+        if "slmsql.verdict" in r.data.tags:
+            shown.append(r.data.tags["slmsql.verdict"])
+        lines.append(f"{(r.info.run_name or '')[:20]:<20} {stage:<10} {r.info.status:<9} {r.info.run_id:<32}  "
+                     + " ".join(shown))
+    return "\n".join(lines)
