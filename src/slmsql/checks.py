@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .data import _native, db_path, read_jsonl
+from .data import native_record, db_path, read_jsonl
 from .errors import DataError, SlmsqlError
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def _records(path) -> list[tuple[int, dict]]:
         if not isinstance(records, list):
             raise DataError("expected a JSON list of questions (BIRD/Spider dev.json)", path)
         pairs = list(enumerate(records))
-        pairs = [(i, _native(r, i) if isinstance(r, dict) else r) for i, r in pairs]
+        pairs = [(i, native_record(r, i) if isinstance(r, dict) else r) for i, r in pairs]
     else:
         rows = read_jsonl(path)  # raises DataError with the line of malformed JSON
         lines = [n for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if raw.strip()]

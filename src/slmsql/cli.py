@@ -68,9 +68,7 @@ def _command(stage: str, cls):
         result = entry(cfg)
         ctx.obj = result
 
-    doc = (cls.__doc__ or "").split("\n")[0]
-    return click.command(stage, help=f"Run the {stage} stage. {doc if not doc.startswith(cls.__name__) else ''}",
-                         )(_options(cls)(run))
+    return click.command(stage, help=cls.__doc__)(_options(cls)(run))
 
 
 class Group(click.Group):

@@ -65,12 +65,16 @@ class Model(Prompt):
 
 @dataclass
 class ToyConfig(Common):
+    """Generate the embedded toy world: SQLite databases and gold questions in four splits."""
+
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     output_dir: str = opt("outputs/toy", "Folder for the toy world.")
 
 
 @dataclass
 class TinyModelConfig(Prompt, Common):
+    """Build the embedded default model: a tiny Qwen2 with a tokenizer trained on the toy world."""
+
     data: str = opt("outputs/toy", "Toy world folder whose texts train the tokenizer.")
     output_dir: str = opt("outputs/tiny-model", "Folder for the model and tokenizer.")
     vocab_size: int = opt(2000, "BPE vocabulary size.")
@@ -82,6 +86,8 @@ class TinyModelConfig(Prompt, Common):
 
 @dataclass
 class EvaluateConfig(Model, Workers, Common):
+    """Execution accuracy of a model or a predictions file, with intervals and a paired test."""
+
     data: str = opt("", "Gold file: canonical JSONL, or BIRD/Spider dev.json.", required=True)
     db_root: str = opt("", "Folder holding <db_id>/<db_id>.sqlite.", required=True)
     predictions: str = opt("", "Score this predictions JSONL ({id, sql} or {id, completion}) instead of a model.")
@@ -103,6 +109,8 @@ class Lora:
 
 @dataclass
 class SFTStageConfig(Lora, Prompt, Common):
+    """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
+
     data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
     model: str = opt("outputs/tiny-model", "Base model: Hub id or local path.")
@@ -117,6 +125,8 @@ class SFTStageConfig(Lora, Prompt, Common):
 
 @dataclass
 class FilterConfig(Model, Workers, Common):
+    """Sample the policy K times per question and bucket questions by pass rate."""
+
     data: str = opt("outputs/toy/rl_source.jsonl", "Source questions in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     k: int = opt(8, "Samples per question.")
@@ -129,6 +139,8 @@ class FilterConfig(Model, Workers, Common):
 
 @dataclass
 class GRPOStageConfig(Lora, Workers, Prompt, Common):
+    """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
+
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     model: str = opt("outputs/sft", "Base model: Hub id or local path.")
@@ -142,12 +154,12 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
     per_device_train_batch_size: int = opt(16, "Completions per device batch (a multiple of num_generations).")
     gradient_accumulation_steps: int = opt(1, "Gradient accumulation steps.")
-    learning_rate: float = opt(1e-4, "Peak learning rate (the seed's 1e-6 moves a tiny LoRA policy nowhere).")
+    learning_rate: float = opt(1e-3, "Peak learning rate (the seed's 1e-6 moves a tiny LoRA policy nowhere).")
     lr_scheduler_type: str = opt("cosine", "Learning-rate schedule.")
     beta: float = opt(0.0, "KL coefficient (0: no reference model).")
     epsilon: float = opt(0.2, "PPO clip epsilon.")
     temperature: float = opt(0.8, "Sampling temperature.")
-    max_steps: int = opt(30, "Optimizer steps.")
+    max_steps: int = opt(50, "Optimizer steps.")
     max_completion_length: int = opt(64, "Generation budget per completion.")
     logging_steps: int = opt(1, "Log metrics every N steps.")
     save_steps: int = opt(10, "Checkpoint every N steps.")
@@ -158,6 +170,8 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
 
 @dataclass
 class PublishConfig(Common):
+    """Model card from the MLflow runs, pushed with the adapter to the Hub."""
+
     grpo_run: str = opt("", "MLflow run id of the GRPO run.", required=True)
     eval_runs: str = opt("", "Comma-separated MLflow run ids of evaluation runs.")
     filter_run: str = opt("", "MLflow run id of the filter run.")
@@ -173,6 +187,8 @@ class PublishConfig(Common):
 
 @dataclass
 class ValidateConfig(Common):
+    """Great Expectations data checks on an RL band or an eval set."""
+
     kind: str = opt("rl", "Which suite: rl (filter output) or eval (an eval set).", choices=("rl", "eval"))
     data: str = opt("", "File to validate.", required=True)
     db_root: str = opt("", "Database folder.", required=True)
@@ -185,6 +201,8 @@ class ValidateConfig(Common):
 
 @dataclass
 class PipelineConfig(Common):
+    """The whole lifecycle on the toy world, each step an MLflow run under one parent."""
+
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")

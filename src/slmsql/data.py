@@ -49,7 +49,7 @@ def _from_record(rec, path, line: int | None) -> Example:
                    rec.get("evidence") or None, rec.get("difficulty"), extra)
 
 
-def _native(rec: dict, i: int) -> dict:
+def native_record(rec: dict, i: int) -> dict:
     """Map a BIRD (`question_id`, `SQL`) or Spider (`query`) record onto the canonical keys."""
     out = dict(rec)
     if "SQL" in rec:  # BIRD
@@ -83,7 +83,7 @@ def read_gold(path) -> list[Example]:
         if not isinstance(records, list):
             raise DataError("expected a JSON list of questions (BIRD/Spider dev.json)", path)
         # JSON arrays have no line per record; name the record index as the "line".
-        examples = [_from_record(_native(r, i) if isinstance(r, dict) else r, path, i)
+        examples = [_from_record(native_record(r, i) if isinstance(r, dict) else r, path, i)
                     for i, r in enumerate(records)]
     else:
         for n, raw in enumerate(text.splitlines(), 1):
