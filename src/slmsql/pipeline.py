@@ -105,7 +105,7 @@ def main(cfg: PipelineConfig) -> dict:
             evals[split] = s.run("evaluate", f"eval-grpo-{split}", model=policy, adapter=adapter, data=data,
                                  db_root=dbs, dataset_name=f"toy-{split}", baseline_run=base.info.run_id)
             evals[f"sft-{split}"] = base
-        card = s.run("publish", "publish", grpo_run=grpo.info.run_id, filter_run=filt.info.run_id,
+        s.run("publish", "publish", grpo_run=grpo.info.run_id, filter_run=filt.info.run_id,
                      eval_runs=",".join(evals[x].info.run_id for x in ("dev", "dev_cross")),
                      repo_id=cfg.repo_id, dry_run="true")
         headline = headline_numbers(filt, grpo, evals)
