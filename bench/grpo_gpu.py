@@ -22,7 +22,8 @@ Arms (`--arms`, in this order):
            disable_compile=True, so cache_implementation="static" alone compiles nothing (which is why
            gpu-baseline.md saw no gain from it inside TRL). Auto-compile happens on CUDA only.
   vllm     recipe + use_vllm=True, vllm_mode="colocate" (needs vllm installed and CUDA).
-An arm that fails is reported with its error and the others still run; the exit status is then 1.
+An arm that fails (say, out of memory) is reported with its error and the others still run; the exit
+status is then 1. Asking for vllm without CUDA and vllm installed is refused up front (exit 2).
 
 Timing: `--warmup` steps, then `--steps` timed ones, CUDA synchronized at each boundary. Per step:
 step (optimizer step to optimizer step), generate (TRL's `_generate_single_turn`: the rollout, plus vLLM's
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,8 +70,10 @@ SHAPES = {
 WORK = {"full": (8, 8, 605, 256), "tiny": (8, 8, 24, 12)}
 
 # The speed settings proposed for the recipe (bench/README.md says why): the whole 64-completion generation
-# batch in one forward+backward instead of four micro-batches of 16. Same effective batch, same loss.
-PROPOSED = {"per_device_train_batch_size": 64, "gradient_accumulation_steps": 1,
+# batch in one forward+backward instead of four micro-batches of 16 (same effective batch, same loss), and no
+# LoRA dropout (PEFT then uses an identity: ~200 fewer kernels per decode step and per forward; rollouts are
+# sampled from the policy being trained, as with plain TRL's LoRA default).
+PROPOSED = {"per_device_train_batch_size": 64, "gradient_accumulation_steps": 1, "lora_dropout": 0.0,
             "trainer_args": {"bf16": True, "gradient_checkpointing": True}}
 
 PLAIN = dict(learning_rate=1e-6, lr_scheduler_type="cosine", beta=0.0, epsilon=0.2, temperature=0.8,
@@ -136,7 +141,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
                 max_completion_length=args.completion_len, seed=args.seed, logging_steps=1, save_strategy="no",
                 report_to="none", disable_tqdm=True, dataloader_num_workers=0,
                 generation_kwargs={"min_tokens" if arm == "vllm" else "min_new_tokens": args.completion_len})
-    device = {} if cuda else {"use_cpu": True, "bf16": False}  # TRL defaults to bf16, refused on a CPU
+    device = {} if cuda else {"use_cpu": True, "bf16": False}  # TRL defaults to bf16: keep CPU runs in fp32
     if arm == "plain":
         lora = LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", task_type="CAUSAL_LM")
         return GRPOConfig(**work, **PLAIN, **device), lora, "TRL defaults as gpu-baseline.md"
@@ -155,7 +160,8 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
         per_device_train_batch_size=cfg.per_device_train_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, beta=cfg.beta, epsilon=cfg.epsilon,
         temperature=cfg.temperature, log_completions=True, num_completions_to_print=0,
-        **{"gradient_checkpointing": False, **device_args(), **extra})
+        # On a CPU the recipe's `bf16: true` would put this arm alone in bf16 autocast: keep precision equal.
+        **{"gradient_checkpointing": False, **device_args(), **extra, **device})
     patch = {"compile": " + static cache, compiled generate", "vllm": " + vLLM colocate"}.get(arm, "")
     return grpo, lora_config(cfg), f"{args.recipe.name} + {json.dumps(overrides)}{patch}"
 
@@ -201,14 +207,10 @@ class Clock:
 
 def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
     from datasets import Dataset
+    from transformers import PrinterCallback
     from trl import GRPOTrainer
 
     cuda = device.type == "cuda"
-    if arm == "vllm":
-        import importlib.util
-
-        if not cuda or importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("arm vllm needs CUDA and the vllm package")
     with tempfile.TemporaryDirectory(prefix=f"slmsql-bench-grpo-{arm}-") as out:
         config, lora, description = arm_config(arm, out, args, cuda)
         if config.generation_batch_size != args.prompts * args.generations:  # identical work in every arm
@@ -219,6 +221,7 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=random_reward(args.seed), args=config,
                               train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                               processing_class=tokenizer, peft_config=lora, callbacks=[clock.callback()])
+        trainer.remove_callback(PrinterCallback)  # it prints every step's logs; the figures come at the end
         if arm == "compile":
             trainer.generation_config.cache_implementation = "static"
             trainer.generation_config.disable_compile = False
@@ -235,11 +238,11 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         if cuda:
             torch.cuda.empty_cache()
 
-    timed = clock.steps[args.warmup:]
-    med = {k: statistics.median(s[k] for s in timed) for k in ("step", "generate", "generate_and_score")}
+    timed = [{"step": s["step"], "generate": s["generate"], "score": s["generate_and_score"] - s["generate"],
+              "train": s["step"] - s["generate_and_score"]} for s in clock.steps[args.warmup:]]
+    med = {k: statistics.median(s[k] for s in timed) for k in timed[0]}
     n = args.prompts * args.generations
     completion_tokens, all_tokens = n * args.completion_len, n * (args.prompt_len + args.completion_len)
-    train_s = med["step"] - med["generate_and_score"]
     lengths = sorted({h[k] for h in logs for k in ("completions/min_length", "completions/max_length")})
     return {
         "config": description,
@@ -248,11 +251,11 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         "generation_batch_size": config.generation_batch_size,
         "gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
         "step_s": round(med["step"], 4), "generate_s": round(med["generate"], 4),
-        "score_s": round(med["generate_and_score"] - med["generate"], 4), "train_s": round(train_s, 4),
+        "score_s": round(med["score"], 4), "train_s": round(med["train"], 4),
         "step_s_all": [round(s["step"], 3) for s in clock.steps],
         "tokens_per_s": round(completion_tokens / med["step"], 1),
         "generate_tokens_per_s": round(completion_tokens / med["generate"], 1),
-        "train_tokens_per_s": round(all_tokens / train_s, 1) if train_s > 0 else None,
+        "train_tokens_per_s": round(all_tokens / med["train"], 1) if med["train"] > 0 else None,
         "peak_gpu_gib": round(peak, 2) if peak is not None else "n/a",
         "completion_lengths_seen": lengths,
         "fixed_length": lengths == [args.completion_len],
@@ -282,7 +285,10 @@ def main(argv=None):
     unknown = sorted(set(arms) - {"plain", "recipe", "compile", "vllm"})
     if unknown or not arms:
         ap.error(f"unknown arm(s) {unknown or args.arms!r}")
+    if "vllm" in arms and not (cuda and importlib.util.find_spec("vllm")):
+        ap.error("arm vllm needs CUDA and the vllm package")  # before minutes of the other arms, not after
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.24 renames gradient_checkpointing
 
     device = torch.device("cuda" if cuda else "cpu")
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -306,15 +312,15 @@ def main(argv=None):
             tokenizer.save_pretrained(model_dir)
             model_path = model_dir
         for arm in arms:
+            gc.collect()  # a failed arm's trainer is only garbage once its exception is gone
+            if cuda:
+                torch.cuda.empty_cache()
             try:
                 results[arm] = r = run_arm(arm, args, prompts, tokenizer, device, model_path)
-            except Exception as e:  # noqa: BLE001 - one arm's failure (OOM, missing vllm) must not hide the others
+            except Exception as e:  # noqa: BLE001 - one arm's failure (say OOM) must not hide the others
                 traceback.print_exc()
                 results[arm] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 failed.append(arm)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
                 continue
             print(f"{arm:8s} step {r['step_s']:8.3f} s = generate {r['generate_s']:.3f} + score {r['score_s']:.3f} "
                   f"+ train {r['train_s']:.3f}; {r['tokens_per_s']:.0f} completion tok/s "

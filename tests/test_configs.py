@@ -12,10 +12,13 @@ def test_precedence_default_recipe_cli(tmp_path):
     cfg = configs.load(configs.GRPOStageConfig, str(recipe), {"max_steps": "9", "learning_rate": None})
     assert (cfg.learning_rate, cfg.max_steps, cfg.beta) == (1e-5, 9, 0.0)
     assert cfg.trainer_args == {"warmup_ratio": 0.1}
-    # mlflow run passes defaults explicitly: a default-valued CLI value must not undo the recipe
+    # mlflow run passes defaults explicitly: there a default-valued CLI value must not undo the recipe ...
     default = str(configs.GRPOStageConfig().learning_rate)
-    cfg = configs.load(configs.GRPOStageConfig, str(recipe), {"learning_rate": default})
+    cfg = configs.load(configs.GRPOStageConfig, str(recipe), {"learning_rate": default}, defaults_yield=True)
     assert cfg.learning_rate == 1e-5
+    # ... while a user typing the default value on the plain CLI means it
+    cfg = configs.load(configs.GRPOStageConfig, str(recipe), {"learning_rate": default})
+    assert cfg.learning_rate == float(default)
 
 
 def test_trainer_args_merge_and_parse():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 import typing
 
@@ -57,7 +58,8 @@ def _command(stage: str, cls):
         for name in ("trainer_args", "overrides"):  # KEY=VALUE options, repeatable
             if name in values:
                 values[name] = " ".join(values[name]) or None
-        cfg = configs.load(cls, recipe, values)
+        # `mlflow run` (which sets MLFLOW_RUN_ID) passes every parameter, defaults included
+        cfg = configs.load(cls, recipe, values, defaults_yield=bool(os.environ.get("MLFLOW_RUN_ID")))
         module, fn = ENTRY[stage].split(":")
         try:
             entry = getattr(importlib.import_module(module), fn)

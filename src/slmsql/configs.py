@@ -4,8 +4,8 @@ Each stage's parameters are a dataclass; each field carries its help text. From 
 - the CLI options (`slmsql <stage> --field-name ...`) are generated (`cli.py`),
 - MLproject's typed parameters are generated (`slmsql mlproject`, checked in sync by a test),
 - YAML recipes under `recipes/` set any field by name.
-Precedence: field default < recipe < command-line value. A command-line value equal to the field's
-default does not override a recipe, because `mlflow run` passes every MLproject parameter, defaults included.
+Precedence: field default < recipe < command-line value. Under `mlflow run` (which passes every MLproject
+parameter, defaults included) a value equal to the field's default does not override the recipe.
 `trainer_args` passes any further TRL config field (GRPOConfig / SFTConfig) through untouched.
 """
 
@@ -253,8 +253,10 @@ def _coerce(cls, name: str, value, source):
     return value
 
 
-def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True):
-    """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring)."""
+def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
+         defaults_yield: bool = False):
+    """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring).
+    `defaults_yield`: command-line values equal to the default do not override the recipe (mlflow run)."""
     names = {f.name for f in fields(cls)}
     values = {}
     if recipe:
@@ -279,7 +281,7 @@ def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool 
         v = _coerce(cls, k, v, "command line")
         if isinstance(v, dict):
             values[k] = {**values.get(k, {}), **v}
-        elif k not in values or v != getattr(defaults, k):
+        elif k not in values or not defaults_yield or v != getattr(defaults, k):
             values[k] = v
     cfg = cls(**values)
     missing = [f.name for f in fields(cls) if f.metadata.get("required") and not getattr(cfg, f.name)]

@@ -1,0 +1,76 @@
+"""The bench scripts still run: each at its smallest settings, ending with one JSON line of its figures.
+
+Times are never asserted, only that the figures exist and the compared runs did identical work.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# One BLAS thread: on a shared 2-core machine, two OpenMP threads that spin for a busy core can make a
+# tiny matmul 20x slower; these runs check that the scripts work, not how fast the CPU is.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_bench(script: str, *args: str, expect_rc: int = 0) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_evaluate_bench_batched_equals_single():
+    fig = run_bench("evaluate.py", "--n", "6", "--batch-size", "4", "--max-new-tokens", "8")
+    assert fig["identical_outputs"] is True and fig["mismatches"] == 0
+    assert fig["n"] == 6 and fig["batch_size"] == 4 and fig["device"] == "cpu" and fig["dtype"] == "float32"
+    assert 0 < fig["new_tokens"] <= 6 * 8
+    for key in ("seconds", "examples_per_s", "tokens_per_s"):
+        assert set(fig[key]) == {"single", "batched"} and all(v > 0 for v in fig[key].values())
+    assert fig["speedup"] > 0
+
+
+def test_grpo_bench_tiny_runs_both_arms_on_identical_work():
+    fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0")
+    assert fig["shape"] == "tiny" and fig["failed"] == [] and set(fig["arms"]) == {"plain", "recipe"}
+    plain, recipe = fig["arms"]["plain"], fig["arms"]["recipe"]
+    assert (plain["per_device_train_batch_size"], plain["gradient_accumulation_steps"]) == (16, 4)
+    assert (recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]) == (64, 1)
+    for arm in (plain, recipe):
+        assert arm["generation_batch_size"] == fig["prompts"] * fig["generations"] == 64
+        assert arm["fixed_length"] is True and arm["completion_lengths_seen"] == [fig["completion_len"]]
+        assert arm["bf16"] is False  # CPU: both arms in fp32, whatever the recipe says
+        assert arm["peak_gpu_gib"] == "n/a"
+        for key in ("step_s", "generate_s", "train_s", "tokens_per_s", "generate_tokens_per_s"):
+            assert arm[key] > 0, key
+        assert len(arm["step_s_all"]) == 1
+    assert set(fig["ratios"]) == {"plain_over_recipe"}
+
+
+def test_grpo_bench_refuses_vllm_arm_up_front_without_vllm_and_cuda():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm installed")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_gpu.py"), "--arms", "plain,vllm"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "arm vllm needs CUDA and the vllm package" in proc.stderr
+    assert "step" not in proc.stdout  # refused before any arm ran
+
+
+def test_grpo_bench_full_shape_is_qwen25_coder_15b():
+    bench = load_bench("grpo_gpu")
+    assert bench.param_count("full") == 1_543_714_304  # gpu-baseline.md's count for the published shape
+    tok = bench.word_tokenizer(bench.SHAPES["tiny"]["vocab_size"])
+    prompts = bench.make_prompts(3, 17, len(tok), seed=1)
+    assert [len(ids) for ids in tok(prompts)["input_ids"]] == [17, 17, 17]
