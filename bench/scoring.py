@@ -1,20 +1,61 @@
-"""Scoring throughput: (a) raw sqlite3, (b) a BIRD-style evaluator, (c) SandboxPool, in one run.
+"""Scoring throughput: (a) raw sqlite3, (b) BIRD's evaluator, (c) slmsql's SandboxPool, on two query mixes.
 
-Builds its own databases and a mix of (pred, gold) pairs: lookups, scans, joins, aggregates, top-n, with
-preds that are right, wrong or broken, plus `--runaways` preds that never finish (infinite recursive CTEs).
-Every SQL text is unique (a trailing comment), so no caching or de-duplication helps any contender.
-All three use the same `--timeout`:
-  (a) one process, serial, one cached connection per database; runaway queries are stopped by a
-      progress-handler deadline (without it, (a) would never finish); set(pred) == set(gold).
-  (b) BIRD's evaluation.py, minimally re-implemented: multiprocessing.Pool(workers), apply_async per
-      pair, a fresh connection per pair, pred then gold under one func_timeout-style deadline (a thread
-      joined with a timeout; the abandoned thread keeps running its query, as BIRD's does, and burns a
-      core until the pool exits); set(pred) == set(gold).
-  (c) slmsql.sandbox.SandboxPool (run_gold + run), pool start-up included; matched with
-      slmsql.matching.results_match (BIRD mode) when that module exists, else set equality.
-Queries/s counts every executed SQL statement: 2 per pair.
+Builds its own databases (4 shops, ~2 MB each) and scores (pred, gold) pairs: lookups, scans, joins,
+aggregates, top-n, with preds that are right, wrong or broken, plus a share of runaway preds that never
+finish (infinite recursive CTEs). All three contenders get the same pairs and the same `--timeout`.
 
-    PYTHONPATH=src python bench/scoring.py [--pairs 2500] [--runaways 8] [--timeout 1.0] [--workers N]
+Mixes (both run by default; ratios are wall-clock time of a or b over time of c, same pairs):
+  unique  every pair has its own gold and every SQL text is unique (a trailing comment): BIRD's dev-set
+          evaluation shape, where no caching or de-duplication can help anyone.
+  grpo    the shape slmsql actually runs: the pass-rate filter and the GRPO reward score K sampled
+          completions per question, so each gold is judged K times, and a sampled model repeats itself.
+          Each sample draws a semantic variant (right 5 : wrong value 2 : wrong column 2 : broken 1, as
+          in `unique`) and a surface form (as written 3 : keywords lower-cased 1); the share of distinct
+          pred texts this gives is measured and printed. Runaways replace the same share of samples as in
+          `unique`, each with its own text, so de-duplication never helps (c) on them.
+
+Contenders:
+  (a) raw: one process, serial, one cached connection per database, pred then gold for every pair (a
+      failed pred skips its gold), set(pred) == set(gold); no sandbox, no cache. Runaways are stopped by a
+      progress-handler deadline per statement (without one, (a) would never finish).
+  (b) BIRD's `evaluation.py` (DAMO-ConvAI bird/llm/src/evaluation.py; bird-bench/mini_dev's
+      evaluation_ex.py is the same code) with func_timeout 4.3.5's mechanism, re-implemented here because
+      neither is a dependency: `multiprocessing.Pool(processes=workers)` (fork, mp.Pool's default on Linux
+      for Python <= 3.13), one `apply_async(execute_model, ...)` per pair with a callback that collects
+      results, then sorted by index; `execute_model` wraps `execute_sql` in func_timeout(timeout) and scores
+      0 on FunctionTimedOut or any exception; `execute_sql` opens a NEW connection per pair, runs the pred
+      THEN the gold (gold re-executed for every pair, no cache; a failed pred skips its gold), fetchall,
+      set(pred) == set(gold). func_timeout runs the call in a daemon thread, joins it for `timeout`, then
+      starts a helper thread that raises FunctionTimedOut in it every 2 s, waits min(0.1, timeout / 50) s
+      and gives up. The exception only lands when the thread runs Python bytecode, never inside
+      sqlite3_step (which holds no GIL and calls no Python without a progress handler), so a runaway
+      query runs on, abandoned, taking its share of the cores until the pool exits. Not reproduced: the
+      unmerged `sort_tuple` per-row sort of DAMO-ConvAI PR #162 (one stored commit has it); the timeout is
+      `--timeout` for the whole pair, where BIRD's default is 30 s.
+  (c) slmsql: `slmsql.scoring.judge(items, SandboxPool(workers, Limits(timeout_s)))`, the code path the
+      filter, the reward and evaluate run: gold via run_gold (cached by (db, sql) for the pool's life),
+      preds via run (identical jobs in one call run once), slmsql.matching.results_match in BIRD mode.
+      Pool start-up and shutdown are timed.
+
+What bounds c/b on the `unique` mix: (b) runs the same statements on the same number of processes as (c),
+and its per-pair overheads (a fresh connection and schema read, a thread, one IPC round trip) are small
+next to the statements themselves, so without runaways c/b is about 1 or below (`--runaway-share 0`).
+What (b) loses is to its abandoned queries: each one keeps a core busy from its timeout until the pool
+exits, so with R runaways spread evenly over the run and W workers, the workers get W / (W + k) of the
+CPU while k are running, which stretches (b) by about 1 + R / (2W): ~2.25 for the default R = 5, W = 2.
+That depends on the number of runaways, not their share, so at a fixed share c/b grows with the run
+size: c/b >= 3 on `unique` needs R >= ~8 on 2 workers (e.g. the earlier default, --pairs 2500). On the
+`grpo` mix (c) also runs each gold once and each distinct pred once, where (a) and (b) run both per pair.
+
+c/a is bounded by the free cores: the pool needs an idle core per worker to beat a serial loop. On a
+shared Linux machine with autogroup scheduling (kernel.sched_autogroup_enabled=1), CPU is shared fairly
+between sessions first, so while another session is busy this whole run gets about one core however many
+processes it starts, and c/a on `unique` falls to ~1 (serial against serial). The load average is printed
+with every mix, and so are CPU seconds per contender (this process, the children it waited for, the live
+pool workers): steadier than wall time on a shared machine, and (b)'s include its abandoned queries.
+
+    PYTHONPATH=src python bench/scoring.py [--mix both|unique|grpo] [--pairs 1500] [--questions 200] [--k 8]
+        [--forms 2] [--runaway-share 0.0032] [--timeout 1.0] [--workers N] [--dbs 4] [--seed 0]
 """
 
 from __future__ import annotations
@@ -25,17 +66,24 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import sqlite3
 import tempfile
 import threading
 import time
 
-from slmsql.sandbox import Limits, SandboxPool
+import psutil
+
+from slmsql.sandbox import _PROGRESS_OPS, Limits, SandboxPool
 
 CITIES = ["Oslo", "Lima", "Pune", "Kiev", "Lyon", "Graz", "Cork", "Bari", "Nice", "Turku"]
 CATEGORIES = ["tools", "toys", "books", "food", "garden", "music", "sport", "office"]
 STATUSES = ["new", "paid", "shipped", "returned"]
 RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
+VARIANT_WEIGHTS = [5, 2, 2, 1]  # right, wrong value, wrong column/shape, broken
+_KEYWORDS = re.compile(r"\b(SELECT|FROM|WHERE|AND|JOIN|ON|GROUP BY|ORDER BY|LIMIT|AS|DESC|ASC|LIKE|COUNT)\b")
+FORMS = [lambda s: s, lambda s: _KEYWORDS.sub(lambda m: m.group().lower(), s)]  # same query, other text
+FORM_WEIGHTS = [3, 1]
 
 
 def build_db(path: str, rng: random.Random):
@@ -92,14 +140,35 @@ def gold_and_variants(rng: random.Random) -> tuple[str, list[str]]:
                             q.format(c, n).replace("LIMIT", "LIMT")]
 
 
-def make_pairs(dbs: list[str], n: int, runaways: int, rng: random.Random) -> list[tuple[str, str, str]]:
+def add_runaways(pairs: list, share: float, rng: random.Random) -> int:
+    """Replace round(share * len) preds, at random places, by runaways with texts of their own."""
+    n = round(share * len(pairs))
+    for r, i in enumerate(rng.sample(range(len(pairs)), n)):
+        pairs[i] = (pairs[i][0], f"{RUNAWAY} /* r{r} */", pairs[i][2])
+    return n
+
+
+def unique_mix(dbs: list[str], n: int, share: float, rng: random.Random) -> list[tuple[str, str, str]]:
     pairs = []
     for i in range(n):
         gold, preds = gold_and_variants(rng)
-        pred = rng.choices(preds, weights=[5, 2, 2, 1])[0]
+        pred = rng.choices(preds, weights=VARIANT_WEIGHTS)[0]
         pairs.append((rng.choice(dbs), f"{pred} /* p{i} */", f"{gold} /* g{i} */"))
-    for i in rng.sample(range(n), runaways):
-        pairs[i] = (pairs[i][0], f"{RUNAWAY} /* p{i} */", pairs[i][2])
+    add_runaways(pairs, share, rng)
+    return pairs
+
+
+def grpo_mix(dbs: list[str], questions: int, k: int, forms: int, share: float,
+             rng: random.Random) -> list[tuple[str, str, str]]:
+    """K samples per question; texts repeat only within a question, as a sampled policy repeats itself."""
+    pairs = []
+    for q in range(questions):
+        db, (gold, preds), tag = rng.choice(dbs), gold_and_variants(rng), f" /* q{q} */"
+        for _ in range(k):
+            pred = rng.choices(preds, weights=VARIANT_WEIGHTS)[0]
+            form = rng.choices(FORMS[:forms], weights=FORM_WEIGHTS[:forms])[0]
+            pairs.append((db, form(pred) + tag, gold + tag))
+    add_runaways(pairs, share, rng)
     return pairs
 
 
@@ -112,7 +181,8 @@ def bench_raw(pairs, timeout: float) -> list[int]:
         if db not in conns:
             conns[db] = sqlite3.connect(db)
         conn, deadline = conns[db], time.monotonic() + timeout
-        conn.set_progress_handler(lambda: time.monotonic() > deadline, 1000)
+        # The sandbox's check interval, so the deadline costs (a) what it costs (c).
+        conn.set_progress_handler(lambda: time.monotonic() > deadline, _PROGRESS_OPS)
         return conn.execute(sql).fetchall()
 
     scores = []
@@ -125,33 +195,45 @@ def bench_raw(pairs, timeout: float) -> list[int]:
     return scores
 
 
-# ------------------------------------------------------------------------------- (b) BIRD-style
+# ------------------------------------------------------------------------------- (b) BIRD
 
-class FunctionTimedOut(Exception):
+class FunctionTimedOut(BaseException):  # a BaseException in func_timeout too
     pass
 
 
-def func_timeout(timeout, func, args):
-    """func_timeout's mechanism: run in a daemon thread, join with a timeout, then try to raise an
-    exception inside it. That only lands when the thread next runs Python bytecode, never while it is
-    inside sqlite3 (which released the GIL), so the query runs on, abandoned."""
-    box = {}
+def func_timeout(timeout, func, args=()):
+    """func_timeout 4.3.5 (dafunc.func_timeout + StoppableThread._stopThread), without its bookkeeping."""
+    ret, exception, stopped = [], [], []
 
-    def target():
+    def funcwrap():
         try:
-            box["value"] = func(*args)
-        except BaseException as e:  # noqa: BLE001 - reported to the caller, as func_timeout does
-            box["error"] = e
+            ret.append(func(*args))
+        except FunctionTimedOut:
+            pass
+        except Exception as e:
+            if not stopped:
+                exception.append(e)
 
-    thread = threading.Thread(target=target, daemon=True)
+    thread = threading.Thread(target=funcwrap, daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(FunctionTimedOut))
+        stopped.append(True)
+
+        def raise_every_2s():  # JoinThread: lands only when the thread next runs bytecode
+            while thread.is_alive():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(FunctionTimedOut))
+                thread.join(2.0)
+
+        threading.Thread(target=raise_every_2s, daemon=True).start()
+        thread.join(min(0.1, timeout / 50.0))
         raise FunctionTimedOut
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    thread.join(0.5)  # as func_timeout does; the thread has finished, so this returns at once
+    if exception:
+        raise exception[0]
+    if ret:
+        return ret[0]
 
 
 def bird_execute_sql(predicted_sql, ground_truth, db_path):
@@ -161,7 +243,10 @@ def bird_execute_sql(predicted_sql, ground_truth, db_path):
     predicted_res = cursor.fetchall()
     cursor.execute(ground_truth)
     ground_truth_res = cursor.fetchall()
-    return 1 if set(predicted_res) == set(ground_truth_res) else 0
+    res = 0
+    if set(predicted_res) == set(ground_truth_res):
+        res = 1
+    return res  # conn is closed when the last reference goes, as in BIRD (mini_dev closes it explicitly)
 
 
 def bird_execute_model(predicted_sql, ground_truth, db_place, idx, meta_time_out):
@@ -175,71 +260,113 @@ def bird_execute_model(predicted_sql, ground_truth, db_place, idx, meta_time_out
 
 
 def bench_bird(pairs, timeout: float, workers: int) -> list[int]:
-    results = []
+    exec_result = []
     pool = mp.get_context("fork").Pool(processes=workers)
     for i, (db, pred, gold) in enumerate(pairs):
-        pool.apply_async(bird_execute_model, args=(pred, gold, db, i, timeout), callback=results.append)
+        pool.apply_async(bird_execute_model, args=(pred, gold, db, i, timeout), callback=exec_result.append)
     pool.close()
     pool.join()  # workers exit with os._exit: their abandoned threads die with them
-    return [r["res"] for r in sorted(results, key=lambda r: r["sql_idx"])]
+    if len(exec_result) != len(pairs):  # BIRD drops a task that fails to pickle without a word; we don't
+        raise RuntimeError(f"(b) returned {len(exec_result)} results for {len(pairs)} pairs")
+    return [r["res"] for r in sorted(exec_result, key=lambda r: r["sql_idx"])]
 
 
-# ------------------------------------------------------------------------------- (c) SandboxPool
+# ------------------------------------------------------------------------------- (c) slmsql
 
 def bench_pool(pairs, timeout: float, workers: int):
-    try:
-        from slmsql.matching import results_match
-        match, matcher = (lambda p, g: results_match(p, g, "bird")), "slmsql.matching.results_match(bird)"
-    except ImportError:
-        match, matcher = (lambda p, g: set(p) == set(g)), "set equality"
+    # Imported here, not at the top: every forkserver worker re-runs the parent's __main__ script, and
+    # slmsql.scoring pulls in scipy and statsmodels (~2 s per pool start on 2 busy cores). The `slmsql`
+    # console script, whose imports are light (~0.13 s), is what real runs have as __main__.
+    from slmsql.scoring import judge
+
     with SandboxPool(workers, Limits(timeout_s=timeout)) as pool:
-        golds = pool.run_gold([(db, gold) for db, _, gold in pairs])
-        preds = pool.run([(db, pred) for db, pred, _ in pairs])
-        statuses = [r.status for r in preds]
-    scores = [int(p.status == "ok" and g.status == "ok" and match(p.rows, g.rows)) for p, g in zip(preds, golds)]
-    return scores, matcher, {s: statuses.count(s) for s in sorted(set(statuses))}
+        outcomes = judge(pairs, pool)
+        worker_cpu = _descendants_cpu()  # before close: the workers are the forkserver's, not ours to wait for
+    statuses = [o.status for o in outcomes]
+    return [int(o.correct) for o in outcomes], {s: statuses.count(s) for s in sorted(set(statuses))}, worker_cpu
+
+
+def _descendants_cpu() -> float:
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+# ------------------------------------------------------------------------------- driver
+
+def run_mix(name: str, pairs, timeout: float, workers: int) -> dict:
+    distinct_preds = len({(db, pred) for db, pred, _ in pairs})
+    distinct_golds = len({(db, gold) for db, _, gold in pairs})
+    runaways = sum(pred.startswith(RUNAWAY) for _, pred, _ in pairs)
+    load = [round(os.getloadavg()[0], 2)]
+    print(f"[{name}] {len(pairs)} pairs, {distinct_golds} distinct golds, {distinct_preds} distinct preds, "
+          f"{runaways} runaway; load average {load[0]}", flush=True)
+    secs, cpu, scores = {}, {}, {}
+    for label, key, fn in [("a", "raw", lambda: bench_raw(pairs, timeout)),
+                           ("b", "bird", lambda: bench_bird(pairs, timeout, workers)),
+                           ("c", "pool", lambda: bench_pool(pairs, timeout, workers))]:
+        # CPU seconds of this process, of children it waited for (b's workers, abandoned threads included)
+        # and, for (c), of the live pool workers: on a shared machine a steadier figure than wall time.
+        before, spawned = os.times(), _descendants_cpu()
+        t0 = time.perf_counter()
+        out = fn()
+        secs[key] = time.perf_counter() - t0
+        after = os.times()
+        cpu[key] = sum(after[:4]) - sum(before[:4]) + (out[2] - spawned if key == "pool" else 0.0)
+        scores[key] = out[0] if key == "pool" else out
+        print(f"[{name}] ({label}) {key:4s} {secs[key]:7.2f} s  {len(pairs) / secs[key]:7.1f} pairs/s  "
+              f"cpu {cpu[key]:6.2f} s  EX {sum(scores[key]) / len(pairs):.4f}", flush=True)
+    statuses = out[1]
+    load.append(round(os.getloadavg()[0], 2))
+    fig = {
+        "pairs": len(pairs), "distinct_golds": distinct_golds, "distinct_preds": distinct_preds,
+        "runaways": runaways, "seconds": {k: round(v, 3) for k, v in secs.items()},
+        "cpu_seconds": {k: round(v, 2) for k, v in cpu.items()},
+        "pairs_per_s": {k: round(len(pairs) / v, 1) for k, v in secs.items()},
+        "c_over_a": round(secs["raw"] / secs["pool"], 3), "c_over_b": round(secs["bird"] / secs["pool"], 3),
+        "ex": {k: round(sum(v) / len(pairs), 4) for k, v in scores.items()},
+        "disagreements": {"a_b": sum(x != y for x, y in zip(scores["raw"], scores["bird"])),
+                          "a_c": sum(x != y for x, y in zip(scores["raw"], scores["pool"]))},
+        "pool_statements": distinct_golds + distinct_preds, "pool_statuses": statuses, "load_avg_1m": load,
+    }
+    print(f"[{name}] c/a = {fig['c_over_a']:.2f}   c/b = {fig['c_over_b']:.2f}", flush=True)
+    return fig
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pairs", type=int, default=2500, help="(pred, gold) pairs; 2 queries each")
-    ap.add_argument("--runaways", type=int, default=8, help="preds that never finish")
+    ap.add_argument("--mix", choices=["both", "unique", "grpo"], default="both")
+    ap.add_argument("--pairs", type=int, default=1500, help="unique mix: (pred, gold) pairs")
+    ap.add_argument("--questions", type=int, default=200, help="grpo mix: gold questions")
+    ap.add_argument("--k", type=int, default=8, help="grpo mix: samples per question")
+    ap.add_argument("--forms", type=int, default=2, choices=[1, 2], help="grpo mix: surface forms per variant")
+    ap.add_argument("--runaway-share", type=float, default=0.0032, help="share of preds that never finish")
     ap.add_argument("--timeout", type=float, default=1.0, help="seconds, same for all three")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="processes for (b) and (c)")
     ap.add_argument("--dbs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
+    mixes = {}
     with tempfile.TemporaryDirectory(prefix="slmsql-bench-") as root:
         dbs = [os.path.join(root, f"shop{i}.sqlite") for i in range(args.dbs)]
         for path in dbs:
             build_db(path, rng)
-        pairs = make_pairs(dbs, args.pairs, args.runaways, rng)
-        queries = 2 * len(pairs)
-        print(f"{len(pairs)} pairs ({queries} queries, {args.runaways} runaway), timeout {args.timeout:g} s, "
-              f"{args.workers} workers, {os.cpu_count()} CPUs", flush=True)
-        secs, ex, scores = {}, {}, {}
-        for label, name, fn in [("a", "raw", lambda: bench_raw(pairs, args.timeout)),
-                                ("b", "bird", lambda: bench_bird(pairs, args.timeout, args.workers)),
-                                ("c", "pool", lambda: bench_pool(pairs, args.timeout, args.workers))]:
-            t0 = time.perf_counter()
-            out = fn()
-            secs[name] = time.perf_counter() - t0
-            scores[name] = out[0] if name == "pool" else out
-            ex[name] = sum(scores[name]) / len(pairs)
-            print(f"({label}) {name:5s} {secs[name]:7.2f} s  {queries / secs[name]:8.0f} queries/s  "
-                  f"EX {ex[name]:.4f}", flush=True)
-        _, matcher, statuses = out
-    qps = {k: queries / v for k, v in secs.items()}
-    figures = {
-        "pairs": len(pairs), "queries": queries, "runaways": args.runaways, "timeout_s": args.timeout,
-        "workers": args.workers, "cpus": os.cpu_count(), "seconds": {k: round(v, 3) for k, v in secs.items()},
-        "queries_per_s": {k: round(v, 1) for k, v in qps.items()},
-        "pool_vs_raw": round(qps["pool"] / qps["raw"], 3), "pool_vs_bird": round(qps["pool"] / qps["bird"], 3),
-        "ex": {k: round(v, 4) for k, v in ex.items()}, "pool_matcher": matcher, "pool_pred_statuses": statuses,
-        "pool_raw_disagreements": sum(a != c for a, c in zip(scores["raw"], scores["pool"])),
-    }
-    print(f"c/a = {figures['pool_vs_raw']:.2f}   c/b = {figures['pool_vs_bird']:.2f}")
+        print(f"timeout {args.timeout:g} s, {args.workers} workers, {os.cpu_count()} CPUs", flush=True)
+        if args.mix in ("both", "unique"):
+            mixes["unique"] = run_mix("unique", unique_mix(dbs, args.pairs, args.runaway_share, rng),
+                                      args.timeout, args.workers)
+        if args.mix in ("both", "grpo"):
+            pairs = grpo_mix(dbs, args.questions, args.k, args.forms, args.runaway_share, rng)
+            mixes["grpo"] = run_mix(f"grpo k={args.k}", pairs, args.timeout, args.workers)
+    figures = {"timeout_s": args.timeout, "workers": args.workers, "cpus": os.cpu_count(), "k": args.k,
+               "runaway_share": args.runaway_share, "mixes": mixes,
+               "c_over_a": {m: f["c_over_a"] for m, f in mixes.items()},
+               "c_over_b": {m: f["c_over_b"] for m, f in mixes.items()}}
     print(json.dumps(figures))
     return figures
 

@@ -1,0 +1,88 @@
+"""bench/scoring.py: its BIRD re-implementation behaves like BIRD's, its mixes have the promised shape, and the
+three contenders agree on every score (so the bench compares speed, never different answers)."""
+
+import importlib.util
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("bench_scoring", Path(__file__).parents[1] / "bench" / "scoring.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # (b) pickles its functions by module name
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(scope="module")
+def dbs(tmp_path_factory):
+    root, rng = tmp_path_factory.mktemp("shops"), random.Random(1)
+    paths = [str(root / f"shop{i}.sqlite") for i in range(2)]
+    for p in paths:
+        bench.build_db(p, rng)
+    return paths
+
+
+def test_func_timeout_abandons_the_call_and_stops_it_at_its_next_bytecode():
+    finished = []
+
+    def slow():
+        time.sleep(0.3)  # C code: the timeout exception cannot land until it returns
+        finished.append(True)
+
+    before = set(threading.enumerate())
+    with pytest.raises(bench.FunctionTimedOut):
+        bench.func_timeout(0.02, slow)
+    abandoned = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert abandoned, "the timed-out call must still be running after func_timeout gave up"
+    for t in abandoned:
+        t.join(5)
+    assert not finished  # the exception landed once sleep returned: the rest never ran
+    assert bench.func_timeout(1.0, lambda x: x + 1, args=(1,)) == 2
+    with pytest.raises(ZeroDivisionError):
+        bench.func_timeout(1.0, lambda: 1 / 0)
+
+
+def test_bird_execute_model_scores_set_equality_and_zero_on_error(dbs):
+    db = dbs[0]
+    gold = "SELECT name, city FROM customer WHERE id = 3"
+    assert bench.bird_execute_model(f"{gold} UNION ALL {gold}", gold, db, 7, 1.0) == {"sql_idx": 7, "res": 1}
+    assert bench.bird_execute_model("SELECT city, name FROM customer WHERE id = 3", gold, db, 0, 1.0)["res"] == 0
+    assert bench.bird_execute_model("SELECT nope FROM customer", gold, db, 0, 1.0)["res"] == 0
+    assert bench.bird_execute_model(gold, "SELECT nope FROM customer", db, 0, 1.0)["res"] == 0
+
+
+def test_unique_mix_has_no_repeated_text(dbs):
+    pairs = bench.unique_mix(dbs, 100, 0.02, random.Random(0))
+    assert len(pairs) == 100 and len({p for _, p, _ in pairs}) == 100 and len({g for _, _, g in pairs}) == 100
+    assert sum(p.startswith(bench.RUNAWAY) for _, p, _ in pairs) == 2
+
+
+def test_grpo_mix_judges_each_gold_k_times_with_repeated_samples(dbs):
+    pairs = bench.grpo_mix(dbs, questions=10, k=8, forms=2, share=0.025, rng=random.Random(0))
+    assert len(pairs) == 80
+    assert set(Counter(g for _, _, g in pairs).values()) == {8}
+    assert all(len({db for db, _, g in pairs if g == gold}) == 1 for gold in {g for _, _, g in pairs})
+    runaways = [p for _, p, _ in pairs if p.startswith(bench.RUNAWAY)]
+    assert len(runaways) == 2 and len(set(runaways)) == 2  # each its own text: no de-duplication on them
+    assert len({p for _, p, _ in pairs}) < 60  # a sampled policy repeats itself
+    assert any(p != p.upper() and "select" in p for _, p, _ in pairs)  # the second surface form occurs
+
+
+@pytest.mark.parametrize("mix", ["unique", "grpo"])
+def test_contenders_agree_and_stop_runaways(dbs, mix):
+    rng = random.Random(2)
+    if mix == "unique":
+        pairs = bench.unique_mix(dbs, 40, 0.025, rng)
+    else:
+        pairs = bench.grpo_mix(dbs, questions=5, k=8, forms=2, share=0.025, rng=rng)
+    fig = bench.run_mix(mix, pairs, timeout=0.3, workers=2)
+    assert fig["runaways"] == 1 and fig["pool_statuses"]["timeout"] == 1
+    assert fig["disagreements"] == {"a_b": 0, "a_c": 0}
+    assert fig["ex"]["raw"] == fig["ex"]["bird"] == fig["ex"]["pool"] > 0
+    assert fig["pool_statements"] == fig["distinct_golds"] + fig["distinct_preds"]
+    if mix == "grpo":
+        assert fig["pool_statements"] < 2 * fig["pairs"]
