@@ -46,6 +46,9 @@ def test_registry_names_are_stable_for_trl_metrics(batch):
     completions, cols = batch
     fns = rewards.build(["execution", "format"], executor=InlineExecutor())
     assert [f.__name__ for f in fns] == ["execution", "format"]
+    from trl.trainer.utils import get_callable_name  # what TRL names rewards/<name>/mean after
+
+    assert [get_callable_name(f) for f in fns] == ["execution", "format"]
     # TRL passes everything by keyword, dataset columns included
     out = fns[0](prompts=["p"] * 5, completions=completions, completion_ids=None, trainer_state=None, **cols)
     assert out[0] == 1.0

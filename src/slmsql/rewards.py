@@ -82,13 +82,21 @@ REGISTRY = {"execution": execution_reward, "format": format_reward}
 
 
 def build(names, **bound):
-    """Reward callables for TRL, each with the registry name as `__name__`; unknown names fail early."""
+    """Reward callables for TRL, each named after its registry key, so metrics read `rewards/execution/mean`.
+
+    Closures rather than functools.partial: TRL unwraps partials to the inner function's name."""
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REGISTRY)}")
-    fns = []
-    for name in names:
-        fn = functools.partial(REGISTRY[name], **bound)
-        fns.append(functools.update_wrapper(fn, REGISTRY[name]))
-        fns[-1].__name__ = name
-    return fns
+
+    def bind(name):
+        target = REGISTRY[name]
+
+        @functools.wraps(target)
+        def reward(prompts, completions, **columns):
+            return target(prompts, completions, **bound, **columns)
+
+        reward.__name__ = reward.__qualname__ = name
+        return reward
+
+    return [bind(n) for n in names]
