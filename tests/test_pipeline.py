@@ -12,8 +12,8 @@ import pytest
 from slmsql.tracking import start_server
 
 pytestmark = pytest.mark.slow
-SHORT = ("sft.max_steps=150 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
-         "filter.k=4 grpo.num_generations=4 grpo.per_device_train_batch_size=8")
+SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
+         "grpo.num_generations=4 grpo.per_device_train_batch_size=8")
 
 
 def free_port() -> int:

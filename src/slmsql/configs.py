@@ -207,7 +207,7 @@ class PipelineConfig(Common):
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
     repo_id: str = opt("slmsql/toy-grpo", "Hub repo id the card is written for (the pipeline only dry-runs).")
-    output_dir: str = opt("outputs/lifecycle", "Folder for every step's outputs.")
+    output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 
 
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,

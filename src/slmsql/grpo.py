@@ -45,21 +45,36 @@ def check_args(cfg: GRPOStageConfig, examples) -> tuple[list[float] | None, dict
 
 
 def completions_logger(output_dir: Path, every: int):
-    """Ship TRL's per-step completions parquet to MLflow as a table every `every` steps."""
+    """Ship TRL's per-step completions parquet to MLflow as a table every `every` steps.
+
+    TRL writes `completions/completions_<step>.parquet` only after the callbacks' on_log for that step, so
+    each on_log ships the files that exist by then (the last one at the end-of-training log). A `.logged`
+    marker keeps a resumed run from shipping a file twice: log_table appends to an existing artifact."""
     from transformers import TrainerCallback
 
     class CompletionsToMlflow(TrainerCallback):
-        def on_log(self, args, state, control, **kwargs):
+        def _ship(self, state):
             import mlflow
             import pandas as pd
 
-            path = output_dir / "completions" / f"completions_{state.global_step:05d}.parquet"
-            if state.is_world_process_zero and path.exists() and state.global_step % every == 0:
+            if not state.is_world_process_zero:
+                return
+            for path in sorted((output_dir / "completions").glob("completions_*.parquet")):
+                step, marker = int(path.stem.rsplit("_", 1)[1]), path.with_suffix(".logged")
+                if step % every or marker.exists():
+                    continue
                 df = pd.read_parquet(path)
                 as_text = lambda v: v if isinstance(v, str) else json.dumps(  # noqa: E731
                     v.tolist() if hasattr(v, "tolist") else v, default=str)  # chat turns arrive as arrays
                 df = df.assign(**{c: df[c].map(as_text) for c in ("prompt", "completion") if c in df})
-                mlflow.log_table(df, f"completions/step_{state.global_step:05d}.json")
+                mlflow.log_table(df, f"completions/step_{step:05d}.json")
+                marker.touch()
+
+        def on_log(self, args, state, control, **kwargs):
+            self._ship(state)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._ship(state)
 
     return CompletionsToMlflow()
 

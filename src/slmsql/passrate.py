@@ -104,6 +104,9 @@ def main(cfg: FilterConfig) -> dict:
     if cfg.adapter:
         check_adapter_base(cfg.adapter, cfg.model)
     out = check_free(cfg.output_dir, cfg.overwrite)
+    # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
+    # then refuse to resume ("unfinished run with other parameters").
+    policy = load_model(cfg.model, cfg.adapter or None)
     work = out.with_name(out.name + ".partial")
     work.mkdir(parents=True, exist_ok=True)
     identity = {k: getattr(cfg, k) for k in RESUME_KEYS}
@@ -114,7 +117,6 @@ def main(cfg: FilterConfig) -> dict:
     tags = {"slmsql.model": cfg.model, "slmsql.adapter": cfg.adapter}
     with tracking.stage_run("filter", cfg, tags=tags, run_id=run_id) as run:
         tracking.save_resume_state(work, identity, run.info.run_id)
-        policy = load_model(cfg.model, cfg.adapter or None)
         bar = tqdm(total=len(examples), initial=len(done), desc="filter", unit="q")
         with SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool, \
                 open(work / "passrates.jsonl", "a") as sink:

@@ -1,0 +1,252 @@
+"""The filter stage: bucket accounting, a real run on the fixture policy, errors, resume after kill -9, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+from policy import foreign_adapter, policy, read, tracking_store, write  # noqa: F401  (fixture)
+
+from slmsql import configs, passrate
+from slmsql.cli import main as cli
+
+K, LOW, HIGH = 8, 0.2, 0.8
+
+
+# ---- bucket accounting on crafted rows -----------------------------------------------------------------
+
+@pytest.mark.parametrize("n, expected", [
+    (0, "all_fail"), (8, "all_pass"), (1, "1/8"), (7, "7/8"),
+    (2, "band"), (3, "band"), (4, "band"), (5, "band"), (6, "band"),
+])
+def test_bucket_edges(n, expected):
+    assert passrate.bucket(n, K, LOW, HIGH) == expected
+
+
+def test_bucket_band_is_open():
+    assert passrate.bucket(1, 4, 0.25, 0.75) == "1/4"  # on the bound: outside
+    assert passrate.bucket(3, 4, 0.25, 0.75) == "3/4"
+    assert passrate.bucket(2, 4, 0.25, 0.75) == "band"
+
+
+def _row(i, n=None, error=False):
+    if error:
+        return {"id": f"q{i}", "k": K, "bucket": "errors", "error": "missing database"}
+    return {"id": f"q{i}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrate.bucket(n, K, LOW, HIGH)}
+
+
+def test_summarize_accounts_for_every_question():
+    counts = [0, 0, 0, 1, 2, 3, 4, 4, 5, 6, 7, 7, 7, 8, 8]
+    rows = [_row(i, n) for i, n in enumerate(counts)] + [_row(100, error=True), _row(101, error=True)]
+    s = passrate.summarize(rows, K, LOW, HIGH)
+    b = s["buckets"]
+    assert s["n_source"] == len(rows) == 17
+    assert b == {"band": 6, "all_fail": 3, "all_pass": 2, "out_of_band": {"1/8": 1, "7/8": 3}, "errors": 2}
+    assert list(b["out_of_band"]) == ["1/8", "7/8"]  # ordered by count, not as strings
+    assert b["band"] + b["all_fail"] + b["all_pass"] + sum(b["out_of_band"].values()) + b["errors"] == s["n_source"]
+    # the histogram counts scored questions only: errors are not 0/8
+    assert s["histogram"] == {"0/8": 3, "1/8": 1, "2/8": 1, "3/8": 1, "4/8": 2, "5/8": 1, "6/8": 1, "7/8": 3,
+                              "8/8": 2}
+    assert sum(s["histogram"].values()) + b["errors"] == s["n_source"]
+    assert s["error_ids"] == ["q100", "q101"]
+    assert (s["k"], s["low"], s["high"]) == (K, LOW, HIGH)
+
+
+def test_summarize_with_a_narrower_band():
+    low, high = 0.3, 0.7  # 2/8 = 0.25 and 6/8 = 0.75 now fall outside: kept as out-of-band, not dropped
+    rows = [{"id": f"q{n}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrate.bucket(n, K, low, high)}
+            for n in range(K + 1)]
+    s = passrate.summarize(rows, K, low, high)
+    assert s["buckets"]["out_of_band"] == {"1/8": 1, "2/8": 1, "6/8": 1, "7/8": 1}
+    assert s["buckets"]["band"] == 3 and s["n_source"] == 9
+
+
+# ---- a real filter run ----------------------------------------------------------------------------------
+
+def filter_cfg(policy, data, out, **over):
+    return configs.load(configs.FilterConfig, None, {
+        "data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "output_dir": str(out),
+        "k": 4, "max_new_tokens": 40, "workers": 1, "timeout_s": 2.0, **over})
+
+
+@pytest.fixture(scope="module")
+def filtered(policy, tmp_path_factory):
+    """One filter run (k=4) over the 40 source questions plus two that cannot be scored."""
+    root = tmp_path_factory.mktemp("filter")
+    rows = read(policy.source)
+    missing_db = {**rows[0], "id": "no-db", "db_id": "no_such_db"}
+    bad_gold = {**rows[1], "id": "bad-gold", "sql": "SELECT no_such_column FROM patient"}
+    data = write(root / "source.jsonl", rows + [missing_db, bad_gold])
+    uri = f"sqlite:///{root}/mlflow.db"
+    with tracking_store(uri):
+        summary = passrate.main(filter_cfg(policy, data, root / "out"))
+    return root / "out", data, summary, uri
+
+
+def test_filter_files_are_consistent(filtered):
+    out, data, summary, _ = filtered
+    source = {r["id"]: r for r in read(data)}
+    assert sorted(p.name for p in out.iterdir()) == ["band.jsonl", "passrates.jsonl", "summary.json"]
+    assert not out.with_name("out.partial").exists()
+
+    rates = read(out / "passrates.jsonl")
+    assert [r["id"] for r in rates] == list(source)  # every source question, in source order
+    for r in rates:
+        if r["bucket"] == "errors":
+            continue
+        assert len(r["statuses"]) == 4 and r["k"] == 4
+        assert r["n_correct"] == r["statuses"].count("correct")
+        assert r["pass_rate"] == r["n_correct"] / 4
+        assert r["bucket"] == passrate.bucket(r["n_correct"], 4, 0.2, 0.8)
+
+    band = read(out / "band.jsonl")
+    assert band, "the fixture policy should give some questions a pass rate inside the band"
+    by_id = {r["id"]: r for r in rates}
+    for row in band:
+        assert by_id[row["id"]]["bucket"] == "band"
+        assert row["k"] == 4 and 0.2 < row["pass_rate"] < 0.8
+        assert row["pass_rate"] == row["n_correct"] / 4 == by_id[row["id"]]["pass_rate"]
+        src = source[row["id"]]  # the gold row travels unchanged, pass rate added
+        assert {k: row[k] for k in src} == src
+    assert {r["id"] for r in band} == {r["id"] for r in rates if r["bucket"] == "band"}
+
+    s = json.loads((out / "summary.json").read_text())
+    assert s == summary
+    b = s["buckets"]
+    assert s["n_source"] == len(source) == 42
+    assert b["band"] == len(band)
+    assert b["band"] + b["all_fail"] + b["all_pass"] + sum(b["out_of_band"].values()) + b["errors"] == 42
+    assert sum(s["histogram"].values()) + b["errors"] == 42
+    # the policy memorised the first 27 questions: they are not all failures
+    assert s["histogram"]["0/4"] < 40
+
+
+def test_filter_errors_bucket(filtered):
+    out, _, summary, _ = filtered
+    rates = {r["id"]: r for r in read(out / "passrates.jsonl")}
+    assert summary["buckets"]["errors"] == 2
+    assert sorted(summary["error_ids"]) == ["bad-gold", "no-db"]
+    assert rates["no-db"]["bucket"] == "errors" and rates["no-db"]["error"] == "missing database"
+    assert rates["bad-gold"]["bucket"] == "errors" and "no_such_column" in rates["bad-gold"]["error"]
+    assert "n_correct" not in rates["bad-gold"]
+
+
+def test_filter_mlflow_run(filtered):
+    out, _, summary, uri = filtered
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["slmsql.stage"] == "filter"
+    m, b = run.data.metrics, summary["buckets"]
+    assert m["n_source"] == 42
+    assert (m["band"], m["all_fail"], m["all_pass"], m["errors"]) == (b["band"], b["all_fail"], b["all_pass"], 2)
+    assert m["out_of_band"] == sum(b["out_of_band"].values())
+    assert m["data_check_success"] == 1.0
+    assert run.data.params["k"] == "4"
+    names = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= names
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "data_check")] == ["data_check/rl.json"]
+    report = json.loads(Path(client.download_artifacts(run.info.run_id, "data_check/rl.json")).read_text())
+    assert report["success"] is True
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.name == "rl_band"
+    assert [t.value for t in inp.tags if t.key == "mlflow.data.context"] == ["output"]
+    assert json.loads(inp.dataset.profile)["num_rows"] == b["band"]
+
+
+# ---- resume after kill -9 -------------------------------------------------------------------------------
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_filter_resumes_after_kill(policy, tmp_path):
+    """kill -9 after the first chunk; the rerun keeps finished chunks, continues the same MLflow run, and
+    ends with exactly what an uninterrupted run writes."""
+    world = {s: read(policy.world / f"{s}.jsonl") for s in ("rl_source",)}
+    own = read(policy.train) + [r for r in world["rl_source"] if r["db_id"] == "hospital_031"]
+    other = [r for r in world["rl_source"] if r["db_id"] != "hospital_031"]
+    data = write(tmp_path / "source.jsonl", own + other[:128 - len(own)])  # 4 chunks of 32
+    out = tmp_path / "out"
+    args = ["filter", "--data", str(data), "--db-root", str(policy.db_root), "--model", str(policy.model),
+            "--output-dir", str(out), "--k", "2", "--max-new-tokens", "32", "--workers", "1", "--timeout-s", "2"]
+    cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", *args]
+    partial = tmp_path / "out.partial" / "passrates.jsonl"
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        while _lines(partial) < passrate.CHUNK and proc.poll() is None:
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the stage and its sandbox workers: no cleanup
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    at_kill = _lines(partial)
+    assert passrate.CHUNK <= at_kill < 128, "the run finished before it was killed: nothing to resume"
+    assert not out.exists()
+
+    # Mark the finished rows: a rerun that sampled them again would write them without the mark.
+    rows = read(partial)
+    kept = len(rows) - len(rows) % passrate.CHUNK
+    write(partial, [{**r, "mark": True} if i < kept else r for i, r in enumerate(rows)])
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = read(out / "passrates.jsonl")
+    assert [r.get("mark", False) for r in final] == [True] * kept + [False] * (128 - kept)
+
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    assert len(runs) == 1, "the rerun must continue the killed run, not start a second one"
+    assert runs[0].info.status == "FINISHED" and runs[0].data.metrics["n_source"] == 128
+
+    # An uninterrupted run with the same parameters writes the same rows.
+    ref = tmp_path / "ref"
+    with tracking_store(f"sqlite:///{tmp_path}/ref.db"):
+        passrate.main(configs.load(configs.FilterConfig, None, {
+            "data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "output_dir": str(ref),
+            "k": 2, "max_new_tokens": 32, "workers": 1, "timeout_s": 2.0}))
+    assert [{k: v for k, v in r.items() if k != "mark"} for r in final] == read(ref / "passrates.jsonl")
+    assert (out / "band.jsonl").read_text() == (ref / "band.jsonl").read_text()
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+
+def _run_cli(policy, out, **opts):
+    args = ["filter", "--db-root", str(policy.db_root), "--output-dir", str(out), "--k", "2"]
+    for k, v in {"data": policy.source, "model": policy.model, **opts}.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return CliRunner().invoke(cli, args)
+
+
+def test_filter_unknown_model_path(policy, tmp_path):
+    result = _run_cli(policy, tmp_path / "out", model=tmp_path / "no" / "such-model")
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output and "no/such-model" in result.output and "not found" in result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_filter_adapter_for_another_base(policy, tmp_path):
+    adapter = foreign_adapter(tmp_path)
+    result = _run_cli(policy, tmp_path / "out", adapter=adapter)
+    assert result.exit_code == 2, result.output
+    assert "was trained on base model" in result.output and str(policy.model) in result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_filter_empty_source(policy, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    result = _run_cli(policy, tmp_path / "out", data=empty)
+    assert result.exit_code == 2, result.output
+    assert "empty.jsonl" in result.output and "empty" in result.output.split("empty.jsonl", 1)[1]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

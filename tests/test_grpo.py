@@ -1,0 +1,265 @@
+"""The GRPO stage: bad input refused before any model loads, a run tracked on a real `mlflow server`, resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import socket
+from pathlib import Path
+
+import mlflow
+import pytest
+from policy import foreign_adapter, policy, read, write  # noqa: F401  (fixture)
+
+from slmsql import configs, grpo, models, tracking
+from slmsql.errors import SlmsqlError
+
+
+def grpo_cfg(policy, data, out, **over):
+    return configs.load(configs.GRPOStageConfig, None, {
+        "data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "output_dir": str(out),
+        "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 32, "max_steps": 4,
+        "save_steps": 2, "completions_every": 2, "workers": 1, "timeout_s": 2.0, "lora_r": 8, "lora_alpha": 16,
+        **over})
+
+
+def band_file(policy, path, n=8):
+    """Questions the policy answers right some of the time, shaped like a filter band file."""
+    return write(path, [{**r, "pass_rate": 0.5, "k": 4, "n_correct": 2} for r in read(policy.train)[:n]])
+
+
+# ---- bad input: refused before any model loads ----------------------------------------------------------
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def _refused(cfg, match):
+    with pytest.raises(SlmsqlError, match=match):
+        grpo.main(cfg)
+    out = Path(cfg.output_dir)
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    assert [e.name for e in mlflow.MlflowClient().search_experiments()] in ([], ["Default"])  # no run started
+
+
+def test_unknown_reward(policy, tmp_path, no_model_load):
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", rewards="execution,vibes")
+    _refused(cfg, r"unknown reward\(s\) \['vibes'\]; registered: \['execution', 'format'\]")
+
+
+def test_reward_weights_must_match_rewards(policy, tmp_path, no_model_load):
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", reward_weights="1,0.5,2")
+    _refused(cfg, r"3 reward weights for 2 rewards")
+
+
+def test_num_generations_must_divide_batch(policy, tmp_path, no_model_load):
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", num_generations=3)
+    _refused(cfg, r"num_generations \(3\) must divide per_device_train_batch_size \(8\)")
+
+
+def test_base_adapter_for_another_base(policy, tmp_path, no_model_load):
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out",
+                   base_adapter=str(foreign_adapter(tmp_path)))
+    _refused(cfg, r"was trained on base model .*other-base.*, not on .*policy")
+
+
+def test_missing_database(policy, tmp_path, no_model_load):
+    rows = read(band_file(policy, tmp_path / "band.jsonl"))
+    data = write(tmp_path / "band.jsonl", rows + [{**rows[0], "id": "x", "db_id": "atlantis"}])
+    _refused(grpo_cfg(policy, data, tmp_path / "out"), r"band.jsonl: no database for db_id \['atlantis'\]")
+
+
+def test_band_without_pass_rate_warns_and_goes_on(policy, tmp_path, monkeypatch, caplog):
+    data = write(tmp_path / "gold.jsonl", read(policy.train)[:8])
+
+    class Loaded(Exception):
+        pass
+
+    def loaded(*a, **k):
+        raise Loaded  # stop at the first model load: everything before it accepted the file
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    with caplog.at_level(logging.WARNING, logger="slmsql.grpo"), pytest.raises(Loaded):
+        grpo.main(grpo_cfg(policy, data, tmp_path / "out"))
+    assert any("gold.jsonl has no pass_rate column" in r.getMessage() for r in caplog.records)
+
+
+def test_metric_names_are_made_safe():
+    # TRL's profiling keys (logged when it profiles) carry spaces and colons
+    assert tracking.metric_name("profiling/Time taken: GRPOTrainer.transformers.generate") == \
+        "profiling/Time_taken_GRPOTrainer.transformers.generate"
+    assert tracking.metric_name("rewards/execution/mean") == "rewards/execution/mean"
+
+
+# ---- a run tracked on a real MLflow server --------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    with open(root / "server.log", "wb") as log:
+        proc, uri = tracking.start_server(port=free_port(), store=root / "store.db", artifacts=root / "artifacts",
+                                          log_file=log)
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served_run(policy, server, tmp_path_factory):
+    """`slmsql grpo` for 4 steps on plain gold questions (no pass_rate), tracked on the server."""
+    root = tmp_path_factory.mktemp("grpo")
+    data = write(root / "gold.jsonl", read(policy.train)[:8])
+    cfg = grpo_cfg(policy, data, root / "out", experiment="grpo-served")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", server)
+    mlflow.set_tracking_uri(server)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("slmsql.grpo").addHandler(handler)
+    try:
+        summary = grpo.main(cfg)
+        client = mlflow.MlflowClient(server)
+        (run,) = client.search_runs([client.get_experiment_by_name("grpo-served").experiment_id])
+        yield cfg, summary, client, run, records
+    finally:
+        logging.getLogger("slmsql.grpo").removeHandler(handler)
+        mp.undo()
+
+
+def test_served_run_trl_metrics(served_run):
+    cfg, summary, client, run, records = served_run
+    assert run.info.status == "FINISHED" and run.data.tags["slmsql.stage"] == "grpo"
+    assert any("no pass_rate column" in r.getMessage() for r in records)  # trained anyway, with a warning
+    m = run.data.metrics
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "loss", "learning_rate",
+                "rewards/execution/mean", "rewards/format/mean", "completions/mean_length", "entropy"):
+        assert key in m, key
+    assert 0.0 <= m["rewards/format/mean"] <= 0.2 + 1e-6 and 0.0 <= m["frac_reward_zero_std"] <= 1.0
+    assert all(re.fullmatch(r"[\w./-]+", k) for k in m), [k for k in m if not re.fullmatch(r"[\w./-]+", k)]
+    history = client.get_metric_history(run.info.run_id, "reward")
+    assert sorted(h.step for h in history) == [1, 2, 3, 4]
+
+
+def test_served_run_exec_telemetry_and_summary(served_run):
+    cfg, summary, client, run, _ = served_run
+    m = run.data.metrics
+    statuses = [f"exec/{s}" for s in ("correct", "wrong_result", "error", "timeout", "truncated", "rejected",
+                                      "no_sql")]
+    for key in statuses + ["exec/frac_groups_correctness_varies"]:
+        assert key in m and 0.0 <= m[key] <= 1.0, key
+    for step in (1, 2, 3, 4):  # each step's mix of statuses covers every completion
+        total = sum(next(h.value for h in client.get_metric_history(run.info.run_id, k) if h.step == step)
+                    for k in statuses)
+        assert total == pytest.approx(1.0)
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec_frac_groups_correctness_varies"):
+        assert m[f"summary/{key}"] == pytest.approx(summary[f"summary/{key}"])
+    assert m["steps"] == summary["steps"] == 4
+
+
+def test_served_run_params_are_the_stage_config(served_run):
+    cfg, _, _, run, _ = served_run
+    params = run.data.params
+    assert set(params) == set(configs.to_params(cfg))  # not TRL's ~224 training arguments
+    assert "adam_beta1" not in params and "vocab_size" not in params
+    assert params["num_generations"] == "4" and params["rewards"] == "execution,format"
+
+
+def test_served_run_completions_tables(served_run):
+    _, _, client, run, _ = served_run
+    tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "completions"))
+    assert tables == ["completions/step_00002.json", "completions/step_00004.json"]  # every 2 steps
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, tables[0])).read_text())
+    assert {"prompt", "completion", "execution", "format"} <= set(table["columns"])
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert len(rows) == 8 and all(isinstance(r["completion"], str) for r in rows)
+    assert {r["format"] for r in rows} <= {0.0, 0.2} and {r["execution"] for r in rows} <= {0.0, 0.1, 1.0}
+
+
+def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slmsql.prompts import builder_for, render_prompt
+    from slmsql.sampling import generate
+
+    cfg, _, client, run, _ = served_run
+    names = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "adapter/tokenizer.json",
+            "adapter/slmsql_grpo_config.json"} <= names
+    assert "summary.json" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    local = client.download_artifacts(run.info.run_id, "adapter", str(tmp_path))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(policy.model), local)
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    from slmsql.data import read_gold
+
+    ex = read_gold(policy.train)[0]
+    prompt = render_prompt(tokenizer, builder_for(cfg).messages(ex))
+    (texts,) = generate(model, tokenizer, [prompt], max_new_tokens=24, progress=False)
+    assert texts[0].strip()
+    # the finished output folder is the same adapter, and the .partial folder is gone
+    out = Path(cfg.output_dir)
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (Path(local) / "adapter_model.safetensors").read_bytes()
+    assert not out.with_name("out.partial").exists()
+
+
+# ---- resume after a crash -------------------------------------------------------------------------------
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
+    """A crash right after checkpoint-2 is saved; `--resume` trains steps 3-4 in the same MLflow run."""
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out")
+    original = tracking.trainer_callback
+
+    def crashing():
+        base = original()
+
+        class CrashAfterCheckpoint(type(base)):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == 2:
+                    raise Crash("simulated crash after checkpoint-2")
+
+        return CrashAfterCheckpoint()
+
+    with monkeypatch.context() as m:
+        m.setattr(tracking, "trainer_callback", crashing)
+        with pytest.raises(Crash):
+            grpo.main(cfg)
+    partial = tmp_path / "out.partial"
+    assert (partial / "checkpoint-2").is_dir() and (partial / "resume_state.json").exists()
+    client = mlflow.MlflowClient()
+    (crashed,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    assert crashed.info.status == "FAILED"
+
+    # without --resume the unfinished folder is not silently thrown away
+    with pytest.raises(SlmsqlError, match="pass --resume"):
+        grpo.main(cfg)
+
+    summary = grpo.main(dataclasses.replace(cfg, resume=True))
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    assert run.info.run_id == crashed.info.run_id and run.info.status == "FINISHED"
+    assert summary["steps"] == 4
+    # steps 1-2 were logged before the crash, 3-4 after: none twice, so training went on from checkpoint-2
+    for key in ("loss", "reward", "exec/correct"):
+        assert [h.step for h in sorted(client.get_metric_history(run.info.run_id, key), key=lambda h: h.step)] \
+            == [1, 2, 3, 4], key
+    state = json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2, 3, 4]
+    assert not partial.exists() and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
