@@ -15,7 +15,8 @@ Files (all gold format, under `Policy.root`):
     dev.jsonl     30 evaluation questions: 10 memorised, hospital_031's 2 dev questions, 18 other dev
                   questions, so that EX is neither 0 nor 1
 
-Use the `policy` fixture (session-scoped: built once per test session, whichever module asks first).
+Use the `policy` fixture (`from policy import policy_fixture` in a test module; session-scoped: built once
+per test session, whichever module asks first).
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def foreign_adapter(root: Path) -> Path:
 _built: dict[str, Policy] = {}
 
 
-@pytest.fixture(scope="session")
-def policy(tmp_path_factory) -> Policy:
+@pytest.fixture(scope="session", name="policy")
+def policy_fixture(tmp_path_factory) -> Policy:
     # Each test module imports this fixture, which pytest registers once per module: the module-level
     # cache makes the session share one build.
     if "policy" not in _built:

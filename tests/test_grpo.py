@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from policy import foreign_adapter, policy, read, write  # noqa: F401  (fixture)
+from policy import foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs, grpo, models, tracking
 from slmsql.errors import SlmsqlError
@@ -122,21 +122,22 @@ def served_run(policy, server, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     data = write(root / "gold.jsonl", read(policy.train)[:8])
     cfg = grpo_cfg(policy, data, root / "out", experiment="grpo-served")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MLFLOW_TRACKING_URI", server)
-    mlflow.set_tracking_uri(server)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(logging.WARNING)
     logging.getLogger("slmsql.grpo").addHandler(handler)
     try:
-        summary = grpo.main(cfg)
-        client = mlflow.MlflowClient(server)
-        (run,) = client.search_runs([client.get_experiment_by_name("grpo-served").experiment_id])
-        yield cfg, summary, client, run, records
+        with tracking_store(server):
+            summary = grpo.main(cfg)
     finally:
         logging.getLogger("slmsql.grpo").removeHandler(handler)
-        mp.undo()
+    client = mlflow.MlflowClient(server)
+    (run,) = client.search_runs([client.get_experiment_by_name("grpo-served").experiment_id])
+    return cfg, summary, client, run, records
 
 
 def test_served_run_trl_metrics(served_run):
@@ -185,13 +186,16 @@ def test_served_run_completions_tables(served_run):
     assert {"prompt", "completion", "execution", "format"} <= set(table["columns"])
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert len(rows) == 8 and all(isinstance(r["completion"], str) for r in rows)
-    assert {r["format"] for r in rows} <= {0.0, 0.2} and {r["execution"] for r in rows} <= {0.0, 0.1, 1.0}
+    assert {round(r["format"], 6) for r in rows} <= {0.0, 0.2}  # rewards pass through float32
+    assert {round(r["execution"], 6) for r in rows} <= {0.0, 0.1, 1.0}
+    assert {r["exec_status"] for r in rows} <= {"correct", "ok", "error", "timeout", "truncated", "rejected", "no_sql"}
 
 
 def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slmsql.data import read_gold
     from slmsql.prompts import builder_for, render_prompt
     from slmsql.sampling import generate
 
@@ -203,8 +207,6 @@ def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):
     local = client.download_artifacts(run.info.run_id, "adapter", str(tmp_path))
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(policy.model), local)
     tokenizer = AutoTokenizer.from_pretrained(local)
-    from slmsql.data import read_gold
-
     ex = read_gold(policy.train)[0]
     prompt = render_prompt(tokenizer, builder_for(cfg).messages(ex))
     (texts,) = generate(model, tokenizer, [prompt], max_new_tokens=24, progress=False)
@@ -263,3 +265,8 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     assert state["global_step"] == 4
     assert [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2, 3, 4]
     assert not partial.exists() and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
+    # each completions table shipped once: step 2's before or after the crash, never both (log_table appends)
+    tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "completions"))
+    assert tables == ["completions/step_00002.json", "completions/step_00004.json"]
+    for t in tables:
+        assert len(json.loads(Path(client.download_artifacts(run.info.run_id, t)).read_text())["data"]) == 8

@@ -89,9 +89,17 @@ def test_every_step_is_a_child_run_with_its_metrics_and_artifacts(lifecycle, mon
 def test_card_states_the_measured_numbers(lifecycle):
     uri, root, run = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])}
     card = (root / "out" / "publish" / "README.md").read_text()
     assert card.startswith("---\n") and "model-index" in card
-    assert "all_fail" in card or "all-fail" in card.lower()
+    band = int(runs["filter"].data.metrics["band"])
+    assert f"| band | 0.2 < p < 0.8 | {band} |" in card
+    assert "| all fail | 0/8 |" in card and "| all pass | 8/8 |" in card
+    ex = runs["eval-grpo-dev"].data.metrics["ex"]
+    assert f"{100 * ex:.1f}%" in card
 
 
 def test_rerun_reuses_finished_steps(lifecycle):

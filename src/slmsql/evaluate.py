@@ -79,7 +79,9 @@ def ex_figure(metrics: dict, comparison: dict | None, label: str):
     fig, ax = plt.subplots(figsize=(4, 3))
     for i, (name, ex, lo, hi) in enumerate(bars):
         ax.bar(i, ex * 100, color="#8aa" if name == "baseline" else "#36c")
-        ax.errorbar(i, ex * 100, yerr=[[100 * (ex - lo)], [100 * (hi - ex)]], color="k", capsize=6)
+        # clamped: statsmodels' Wilson bound for k == n is 0.9999999999999999, and a negative yerr raises
+        ax.errorbar(i, ex * 100, yerr=[[max(0.0, 100 * (ex - lo))], [max(0.0, 100 * (hi - ex))]], color="k",
+                    capsize=6)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars])
     ax.set_ylabel("EX % (95% Wilson)")
     ax.set_ylim(0, 100)

@@ -88,6 +88,8 @@ def main(cfg: SFTStageConfig) -> dict:
         if trainer.state.global_step == 0:
             raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way
+        if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
+            (work / "checkpoints").rmdir()
         trainer.model.save_pretrained(work)
         tokenizer.padding_side = "left"
         tokenizer.save_pretrained(work)

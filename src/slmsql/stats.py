@@ -32,7 +32,8 @@ def _check_counts(k: int, n: int, name: str = "k") -> None:
 def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     _check_counts(k, n)
     lo, hi = proportion_confint(k, n, alpha=1 - confidence, method="wilson")
-    return float(lo), float(hi)
+    # statsmodels returns 0.9999999999999999 for k == n: keep the interval around the estimate it bounds
+    return min(float(lo), k / n), max(float(hi), k / n)
 
 
 def _paired(a: Sequence[bool], b: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
