@@ -159,6 +159,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                               peft_config=peft_config,
                               callbacks=[tracking.trainer_callback(), completions_logger(work, cfg.completions_every)])
+        tracking.quiet_progress(trainer)
         t0 = time.time()
         trainer.train(resume_from_checkpoint=_last_checkpoint(work) if cfg.resume else None)
 

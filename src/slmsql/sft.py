@@ -83,6 +83,7 @@ def main(cfg: SFTStageConfig) -> dict:
             gradient_checkpointing=False, dataloader_num_workers=0, **{**device_args(), **extra})
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                              peft_config=peft_config, callbacks=[tracking.trainer_callback()])
+        tracking.quiet_progress(trainer)
         t0 = time.time()
         result = trainer.train()
         if trainer.state.global_step == 0:

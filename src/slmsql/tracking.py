@@ -181,3 +181,15 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
         lines.append(f"{(r.info.run_name or '')[:20]:<20} {stage:<10} {r.info.status:<9} {r.info.run_id:<32}  "
                      + " ".join(shown))
     return "\n".join(lines)
+
+
+def quiet_progress(trainer) -> None:
+    """Keep the trainer's progress bar but stop it printing every log dict to stdout (MLflow has them)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class BarOnly(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(BarOnly())
