@@ -6,7 +6,6 @@ import dataclasses
 import json
 import logging
 import re
-import socket
 from pathlib import Path
 
 import mlflow
@@ -99,17 +98,11 @@ def test_metric_names_are_made_safe():
 
 # ---- a run tracked on a real MLflow server --------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     with open(root / "server.log", "wb") as log:
-        proc, uri = tracking.start_server(port=free_port(), store=root / "store.db", artifacts=root / "artifacts",
+        proc, uri = tracking.start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
                                           log_file=log)
     yield uri
     proc.terminate()

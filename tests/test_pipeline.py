@@ -3,7 +3,6 @@
 Shortened (fewer SFT/GRPO steps) so CI stays quick; everything else is the embedded default, for real.
 """
 
-import socket
 import subprocess
 import sys
 
@@ -16,17 +15,11 @@ SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_
          "grpo.num_generations=4 grpo.per_device_train_batch_size=8")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     log = open(root / "server.log", "wb")
-    proc, uri = start_server(port=free_port(), store=root / "store.db", artifacts=root / "artifacts",
+    proc, uri = start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
                              log_file=log)
     try:
         env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path()}

@@ -128,9 +128,15 @@ def server_command(host: str, port: int, store: Path, artifacts: Path) -> list[s
 
 def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifacts="mlartifacts",
                  timeout_s: float = 60, log_file=None):
-    """Start the server, wait until /health answers, return (process, uri)."""
+    """Start the server, wait until /health answers, return (process, uri). `port=0` picks a free port."""
+    import socket
     import subprocess
     import time
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
 
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
