@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 from .configs import GRPOStageConfig, parse_trainer_args
 from .data import db_path, read_gold
 from .errors import SlmsqlError
-from .outputs import check_free
+from .outputs import check_free, partial_dir, promote
 
 log = logging.getLogger(__name__)
 SUMMARY_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
@@ -110,7 +109,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
     out = check_free(cfg.output_dir, cfg.overwrite or cfg.resume)
-    work = out.with_name(out.name + ".partial")
+    work = partial_dir(out)
     if work.exists() and not cfg.resume:
         if not cfg.overwrite:
             raise SlmsqlError(f"{work} holds an unfinished run: pass --resume to continue it, or --overwrite")
@@ -175,7 +174,7 @@ def main(cfg: GRPOStageConfig) -> dict:
         (work / "summary.json").write_text(json.dumps(summary, indent=2))
         mlflow.log_artifact(str(work / "summary.json"))
     (work / "resume_state.json").unlink()
-    _promote(work, out)
+    promote(work, out)
     log.info("GRPO done: %s", json.dumps(summary))
     return summary
 
@@ -185,8 +184,3 @@ def _last_checkpoint(work: Path):
 
     return get_last_checkpoint(str(work))
 
-
-def _promote(work: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(work, out)

@@ -22,10 +22,21 @@ def check_free(output_dir, overwrite: bool) -> Path:
     return out
 
 
+def partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def promote(work: Path, out: Path) -> None:
+    """Replace `out` by the finished `work` folder in one rename."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(work, out)
+
+
 @contextlib.contextmanager
 def staged(output_dir, overwrite: bool = False, resumable: bool = False):
     out = check_free(output_dir, overwrite)
-    work = out.with_name(out.name + ".partial")
+    work = partial_dir(out)
     if work.exists() and not resumable:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -35,6 +46,4 @@ def staged(output_dir, overwrite: bool = False, resumable: bool = False):
         if not resumable:
             shutil.rmtree(work, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(work, out)
+    promote(work, out)

@@ -22,7 +22,7 @@ from pathlib import Path
 from .configs import FilterConfig
 from .data import db_path, read_gold, write_jsonl
 from .errors import DataError, SlmsqlError
-from .outputs import check_free
+from .outputs import check_free, partial_dir, promote
 
 log = logging.getLogger(__name__)
 CHUNK = 32  # questions per resumable unit
@@ -107,7 +107,7 @@ def main(cfg: FilterConfig) -> dict:
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
     # then refuse to resume ("unfinished run with other parameters").
     policy = load_model(cfg.model, cfg.adapter or None)
-    work = out.with_name(out.name + ".partial")
+    work = partial_dir(out)
     work.mkdir(parents=True, exist_ok=True)
     identity = {k: getattr(cfg, k) for k in RESUME_KEYS}
     run_id = tracking.resume_state(work, identity)
@@ -173,10 +173,6 @@ def main(cfg: FilterConfig) -> dict:
         if not report.success:
             raise SlmsqlError("the rl data check failed on the filter's own output:\n" + report.to_markdown())
     (work / "resume_state.json").unlink()
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(work, out)
+    promote(work, out)
     log.info("filter: %s", json.dumps(summary["buckets"]))
     return summary
