@@ -16,7 +16,7 @@ Arms (`--arms`, in this order):
            on (TRL's default), bf16 on CUDA.
   recipe   recipes/qwen2.5-coder-1.5b/grpo.yaml resolved by slmsql.configs.load, plus `--recipe-overrides`
            (default: PROPOSED below, the speed settings proposed for that recipe in bench/README.md), turned
-           into a GRPOConfig exactly as slmsql.grpo.main does.
+           into a GRPOConfig exactly as slmsql.stages.grpo.main does.
   compile  recipe, then the patch slmsql could apply after building the trainer: static KV cache and
            transformers' auto-compiled decode step. TRL builds its GenerationConfig with
            disable_compile=True, so cache_implementation="static" alone compiles nothing (which is why
@@ -135,7 +135,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
     from trl import GRPOConfig
 
     from slmsql import configs
-    from slmsql.sft import device_args, lora_config
+    from slmsql.training import device_args, lora_config
 
     work = dict(output_dir=out_dir, max_steps=args.warmup + args.steps, num_generations=args.generations,
                 max_completion_length=args.completion_len, seed=args.seed, logging_steps=1, save_strategy="no",
@@ -154,7 +154,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
     if arm == "vllm":
         extra = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.25,
                  "vllm_max_model_length": args.prompt_len + args.completion_len, **extra}
-    # As slmsql.grpo.main builds it; save/log settings aside (the bench saves nothing, logs every step).
+    # As slmsql.stages.grpo.main builds it; save/log settings aside (the bench saves nothing, logs every step).
     grpo = GRPOConfig(
         **work, learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type,
         per_device_train_batch_size=cfg.per_device_train_batch_size,

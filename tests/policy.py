@@ -60,7 +60,8 @@ def write(path, rows) -> Path:
 def build(root: Path) -> Policy:
     import mlflow
 
-    from slmsql import configs, sft, tinymodel, toy
+    from slmsql import configs, toyworld as toy
+    from slmsql.stages import sft, tiny_model as tinymodel
     from slmsql.models import build_tiny_model
 
     world, uri = root / "world", f"sqlite:///{root}/mlflow.db"

@@ -16,7 +16,8 @@ import pytest
 from click.testing import CliRunner
 from policy import DB, foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, passrate
+from slmsql import configs, passrates
+from slmsql.stages import filter as passrate
 from slmsql.cli import main as cli
 
 K, LOW, HIGH = 8, 0.2, 0.8
@@ -29,25 +30,25 @@ K, LOW, HIGH = 8, 0.2, 0.8
     (2, "band"), (3, "band"), (4, "band"), (5, "band"), (6, "band"),
 ])
 def test_bucket_edges(n, expected):
-    assert passrate.bucket(n, K, LOW, HIGH) == expected
+    assert passrates.bucket(n, K, LOW, HIGH) == expected
 
 
 def test_bucket_band_is_open():
-    assert passrate.bucket(1, 4, 0.25, 0.75) == "1/4"  # on the bound: outside
-    assert passrate.bucket(3, 4, 0.25, 0.75) == "3/4"
-    assert passrate.bucket(2, 4, 0.25, 0.75) == "band"
+    assert passrates.bucket(1, 4, 0.25, 0.75) == "1/4"  # on the bound: outside
+    assert passrates.bucket(3, 4, 0.25, 0.75) == "3/4"
+    assert passrates.bucket(2, 4, 0.25, 0.75) == "band"
 
 
 def _row(i, n=None, error=False):
     if error:
         return {"id": f"q{i}", "k": K, "bucket": "errors", "error": "missing database"}
-    return {"id": f"q{i}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrate.bucket(n, K, LOW, HIGH)}
+    return {"id": f"q{i}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrates.bucket(n, K, LOW, HIGH)}
 
 
 def test_summarize_accounts_for_every_question():
     counts = [0, 0, 0, 1, 2, 3, 4, 4, 5, 6, 7, 7, 7, 8, 8]
     rows = [_row(i, n) for i, n in enumerate(counts)] + [_row(100, error=True), _row(101, error=True)]
-    s = passrate.summarize(rows, K, LOW, HIGH)
+    s = passrates.bucket_summary(rows, K, LOW, HIGH)
     b = s["buckets"]
     assert s["n_source"] == len(rows) == 17
     assert b == {"band": 6, "all_fail": 3, "all_pass": 2, "out_of_band": {"1/8": 1, "7/8": 3}, "errors": 2}
@@ -63,9 +64,9 @@ def test_summarize_accounts_for_every_question():
 
 def test_summarize_with_a_narrower_band():
     low, high = 0.3, 0.7  # 2/8 = 0.25 and 6/8 = 0.75 now fall outside: kept as out-of-band, not dropped
-    rows = [{"id": f"q{n}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrate.bucket(n, K, low, high)}
+    rows = [{"id": f"q{n}", "k": K, "n_correct": n, "pass_rate": n / K, "bucket": passrates.bucket(n, K, low, high)}
             for n in range(K + 1)]
-    s = passrate.summarize(rows, K, low, high)
+    s = passrates.bucket_summary(rows, K, low, high)
     assert s["buckets"]["out_of_band"] == {"1/8": 1, "2/8": 1, "6/8": 1, "7/8": 1}
     assert s["buckets"]["band"] == 3 and s["n_source"] == 9
 
@@ -106,7 +107,7 @@ def test_filter_files_are_consistent(filtered):
         assert len(r["statuses"]) == 4 and r["k"] == 4
         assert r["n_correct"] == r["statuses"].count("correct")
         assert r["pass_rate"] == r["n_correct"] / 4
-        assert r["bucket"] == passrate.bucket(r["n_correct"], 4, 0.2, 0.8)
+        assert r["bucket"] == passrates.bucket(r["n_correct"], 4, 0.2, 0.8)
 
     band = read(out / "band.jsonl")
     assert band, "the fixture policy should give some questions a pass rate inside the band"
@@ -183,7 +184,7 @@ def test_filter_resumes_after_kill(policy, tmp_path):
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        while _lines(partial) < passrate.CHUNK and proc.poll() is None:
+        while _lines(partial) < passrates.CHUNK and proc.poll() is None:
             time.sleep(0.02)
     finally:
         with contextlib.suppress(ProcessLookupError):  # the stage and its sandbox workers: no cleanup
@@ -191,7 +192,7 @@ def test_filter_resumes_after_kill(policy, tmp_path):
         _, err = proc.communicate()
     assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
     at_kill = _lines(partial)
-    assert passrate.CHUNK <= at_kill < 128, "the run finished before it was killed: nothing to resume"
+    assert passrates.CHUNK <= at_kill < 128, "the run finished before it was killed: nothing to resume"
     assert not out.exists()
 
     # Mark the finished rows: a rerun that sampled them again would write them without the mark.
@@ -201,7 +202,7 @@ def test_filter_resumes_after_kill(policy, tmp_path):
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
-    kept = len(rows) - len(rows) % passrate.CHUNK
+    kept = len(rows) - len(rows) % passrates.CHUNK
     write(partial, [{**r, "mark": True} if i < kept else r for i, r in enumerate(rows)])
 
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

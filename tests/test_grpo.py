@@ -12,7 +12,8 @@ import mlflow
 import pytest
 from policy import foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, grpo, models, tracking
+from slmsql import configs, models, tracking, training
+from slmsql.stages import grpo
 from slmsql.errors import SlmsqlError
 
 
@@ -84,7 +85,7 @@ def test_band_without_pass_rate_warns_and_goes_on(policy, tmp_path, monkeypatch,
         raise Loaded  # stop at the first model load: everything before it accepted the file
 
     monkeypatch.setattr(models, "load_model", loaded)
-    with caplog.at_level(logging.WARNING, logger="slmsql.grpo"), pytest.raises(Loaded):
+    with caplog.at_level(logging.WARNING, logger="slmsql.stages.grpo"), pytest.raises(Loaded):
         grpo.main(grpo_cfg(policy, data, tmp_path / "out"))
     assert any("gold.jsonl has no pass_rate column" in r.getMessage() for r in caplog.records)
 
@@ -122,12 +123,12 @@ def served_run(policy, server, tmp_path_factory):
             records.append(record)
 
     handler = Keep(logging.WARNING)
-    logging.getLogger("slmsql.grpo").addHandler(handler)
+    logging.getLogger("slmsql.stages.grpo").addHandler(handler)
     try:
         with tracking_store(server):
             summary = grpo.main(cfg)
     finally:
-        logging.getLogger("slmsql.grpo").removeHandler(handler)
+        logging.getLogger("slmsql.stages.grpo").removeHandler(handler)
     client = mlflow.MlflowClient(server)
     (run,) = client.search_runs([client.get_experiment_by_name("grpo-served").experiment_id])
     return cfg, summary, client, run, records
@@ -190,7 +191,7 @@ def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):
 
     from slmsql.data import read_gold
     from slmsql.prompts import builder_for, render_prompt
-    from slmsql.sampling import generate
+    from slmsql.generation import generate
 
     cfg, _, client, run, _ = served_run
     names = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
@@ -220,7 +221,7 @@ class Crash(Exception):
 def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     """A crash right after checkpoint-2 is saved; `--resume` trains steps 3-4 in the same MLflow run."""
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out")
-    original = tracking.trainer_callback
+    original = training.metrics_callback
 
     def crashing():
         base = original()
@@ -233,7 +234,7 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
         return CrashAfterCheckpoint()
 
     with monkeypatch.context() as m:
-        m.setattr(tracking, "trainer_callback", crashing)
+        m.setattr(training, "metrics_callback", crashing)
         with pytest.raises(Crash):
             grpo.main(cfg)
     partial = tmp_path / "out.partial"

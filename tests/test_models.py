@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slmsql.errors import SlmsqlError
 from slmsql.models import build_tiny_model, check_adapter_base, load_model, train_bpe
-from slmsql.sampling import generate
+from slmsql.generation import generate
 
 TEXTS = [
     "CREATE TABLE singer (singer_id INTEGER, name TEXT, age INTEGER, country TEXT)",

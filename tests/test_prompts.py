@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slmsql import toy
+from slmsql import toyworld as toy
 from slmsql.data import Example, db_path, read_gold
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.prompts import (INSTRUCTION, PromptBuilder, build_messages, render_prompt, schema_from_tables_json,

@@ -22,7 +22,7 @@ from hubstub import HubStub
 from slmsql import stats
 from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, to_params
 from slmsql.errors import SlmsqlError
-from slmsql.scoring import summarize
+from slmsql.scoring import ex_summary as summarize
 
 BASE = "slmsql-test/tiny-qwen2"  # what the runs name; the weights sit in a Hub-cache snapshot of that id
 REPO = "stub-user/tiny-grpo"
@@ -188,7 +188,7 @@ def section(text: str, title: str) -> str:
 
 
 def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     result = main(config(store, tmp_path, dry_run=True))
     out = tmp_path / "out"
@@ -217,7 +217,7 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
 
 
 def test_card_states_the_runs_numbers(store, tmp_path):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     main(config(store, tmp_path, dry_run=True))
     card = (tmp_path / "out" / "README.md").read_text()
@@ -242,7 +242,7 @@ def test_card_states_the_runs_numbers(store, tmp_path):
 
 
 def test_verdict_wording_follows_the_statistics(store, tmp_path):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     main(config(store, tmp_path, dry_run=True))
     null = (tmp_path / "out" / "README.md").read_text()
@@ -263,7 +263,7 @@ def test_verdict_wording_follows_the_statistics(store, tmp_path):
 
 
 def test_every_filter_bucket_is_listed_and_adds_up(store, tmp_path):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     main(config(store, tmp_path, dry_run=True))
     table = section((tmp_path / "out" / "README.md").read_text(), "RL data: pass-rate filter")
@@ -279,7 +279,7 @@ def test_every_filter_bucket_is_listed_and_adds_up(store, tmp_path):
 def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path, monkeypatch, caplog):
     import mlflow
 
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     caplog.set_level(logging.DEBUG)
@@ -319,7 +319,7 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
 def test_republishing_is_idempotent(store, hub, tmp_path, monkeypatch):
     import mlflow
 
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     first = main(config(store, tmp_path))
@@ -331,7 +331,7 @@ def test_republishing_is_idempotent(store, hub, tmp_path, monkeypatch):
 
 
 def test_no_token_fails_before_any_request(store, hub, tmp_path):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     with pytest.raises(SlmsqlError, match="no Hugging Face token"):
         main(config(store, tmp_path))
@@ -354,7 +354,7 @@ def test_no_token_fails_before_any_request(store, hub, tmp_path):
 def test_bad_input_is_refused_before_anything_is_written(store, hub, tmp_path, monkeypatch, change, message):
     import mlflow
 
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
     ids = {k: v for k, v in store.items()}
@@ -369,7 +369,7 @@ def test_bad_input_is_refused_before_anything_is_written(store, hub, tmp_path, m
 def test_filter_run_of_other_data_is_refused(store, tmp_path, monkeypatch):
     import mlflow
 
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     summary = {**FILTER_SUMMARY, "buckets": {**FILTER_SUMMARY["buckets"], "band": 13, "all_fail": 19}}
     exp = mlflow.create_experiment("other", artifact_location=str(tmp_path / "other"))
@@ -409,7 +409,7 @@ def test_tldr_is_chosen_by_the_verdicts(counts, expected):
 def test_card_check_refuses_what_the_hub_would_not_read():
     from huggingface_hub import EvalResult, ModelCardData
 
-    from slmsql.publish import check_card
+    from slmsql.stages.publish import check_card
 
     data = ModelCardData(base_model="a/b", library_name="peft", license="mit", tags=["text-to-sql"], model_name="m",
                          eval_results=[EvalResult(task_type="text-generation", dataset_type="bird", dataset_name="bird",
@@ -428,7 +428,7 @@ def test_card_check_refuses_what_the_hub_would_not_read():
 def test_grpo_run_without_adapter_is_refused(store, tmp_path):
     import mlflow
 
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     exp = mlflow.create_experiment("other", artifact_location=str(tmp_path / "other"))
     with mlflow.start_run(experiment_id=exp, tags={"slmsql.stage": "grpo", "slmsql.model": BASE}) as run:
@@ -439,7 +439,7 @@ def test_grpo_run_without_adapter_is_refused(store, tmp_path):
 
 
 def test_hub_base_model():
-    from slmsql.card import hub_base_model
+    from slmsql.hub import hub_id as hub_base_model
 
     assert hub_base_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert hub_base_model("/cache/hub/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/abc") == "Qwen/Qwen2.5-Coder-1.5B"
@@ -447,7 +447,7 @@ def test_hub_base_model():
 
 
 def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_path, monkeypatch, caplog):
-    from slmsql.publish import main
+    from slmsql.stages.publish import main
 
     local = dict(grpo_run=store["local_grpo"], eval_runs=store["local_eval"], filter_run="")
     main(config(store, tmp_path, dry_run=True, **local))
@@ -466,7 +466,7 @@ def test_cli_dry_run(store, tmp_path):
     from slmsql.cli import main
 
     cfg = config(store, tmp_path)
-    args = ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", cfg.eval_runs, "--filter-run", cfg.filter_run,
+    args = ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", ",".join(cfg.eval_runs), "--filter-run", cfg.filter_run,
             "--repo-id", REPO, "--output-dir", cfg.output_dir, "--license", "mit", "--dry-run"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

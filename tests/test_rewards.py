@@ -1,7 +1,7 @@
 import pytest
 
 from slmsql import rewards
-from slmsql.scoring import InlineExecutor
+from inline import InlineExecutor
 
 
 @pytest.fixture

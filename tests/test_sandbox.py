@@ -5,6 +5,7 @@ import os
 import sqlite3
 
 import pytest
+from sandbox_faults import faulty_run
 
 from slmsql.sandbox import STATUSES, ExecResult, Limits, SandboxPool, execute
 
@@ -38,10 +39,7 @@ def db(tmp_path):
 
 @pytest.fixture(scope="module")
 def pool():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SLMSQL_SANDBOX_TEST_HOOKS", "1")  # read when the pool is built
-    with SandboxPool(workers=2, limits=FAST) as p:
-        mp.undo()
+    with SandboxPool(workers=2, limits=FAST, runner=faulty_run) as p:
         yield p
 
 

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from policy import foreign_adapter, policy_fixture, read, tracking_store  # noqa: F401  (the fixture)
 from safetensors.torch import load_file
 
-from slmsql import configs, evaluate, generation, models, sft
+from slmsql import configs, generation, models
+from slmsql.stages import evaluate, sft
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
 
@@ -227,7 +228,7 @@ def test_baseline_of_another_kind_is_refused(evals, policy, tmp_path, monkeypatc
 def test_baseline_that_is_not_an_evaluation_is_refused(evals, policy, tmp_path, monkeypatch, no_generation):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", policy.tracking_uri)  # the fixture's store: its sft run
     cfg = eval_cfg(policy, tmp_path / "out", model=str(policy.model), baseline_run=policy.sft_run_id)
-    with pytest.raises(SlmsqlError, match=r"is not an evaluate run \(stage 'sft'\)"):
+    with pytest.raises(SlmsqlError, match=r"has stage 'sft', expected 'evaluate'"):
         evaluate.main(cfg)
 
 

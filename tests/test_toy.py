@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from slmsql import toy
+from slmsql import toyworld as toy
 from slmsql.data import DIFFICULTIES, check_databases, db_path, read_gold, schema_of
 from slmsql.errors import SlmsqlError
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import configs
+from .hub import hub_id, same_model
 from .errors import SlmsqlError
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
@@ -46,23 +46,6 @@ class Runs:
     filter: object = None
     filter_summary: dict | None = None
     history: dict = field(default_factory=dict)  # per-step metric -> [values], for ranges
-
-
-def hub_base_model(model: str) -> str | None:
-    """The Hub id of the base model, or None when it is only a local checkpoint.
-
-    A Hub id is used as is; a local Hub-cache snapshot (`.../models--org--name/snapshots/...`) is that id. Any
-    other local directory (a full fine-tune, a private checkpoint) names no weights the Hub has: an adapter on
-    it can be written out (--dry-run) but not published."""
-    if m := re.search(r"models--([\w.-]+)--([\w.-]+)", model):
-        return f"{m[1]}/{m[2]}"
-    local = Path(model).expanduser().is_dir() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
-    return None if not model or local else model
-
-
-def _same(a: str, b: str) -> bool:
-    a, b = (str(x or "").strip().rstrip("/").lower() for x in (a, b))
-    return a == b or (bool(a) and bool(b) and a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1])
 
 
 def _num(value):
@@ -215,7 +198,7 @@ def _start_label(runs: Runs) -> str:
     """How the card names the comparison point: only call it the SFT start when the baseline evaluated it."""
     base_adapter = runs.grpo.data.tags.get("slmsql.base_adapter", "")
     adapters = {run.data.tags.get("slmsql.adapter", "") for run in runs.baselines.values()}
-    if base_adapter and adapters and all(_same(a, base_adapter) for a in adapters):
+    if base_adapter and adapters and all(same_model(a, base_adapter) for a in adapters):
         return "its SFT starting point"
     if not base_adapter and adapters == {""}:
         return "its starting model"
@@ -247,7 +230,7 @@ def context(runs: Runs, cfg) -> dict:
     cmds.append(("this card (run ids: those of the runs above)", command("publish", shaping)))
     return {
         "model_name": cfg.repo_id.split("/")[1], "repo_id": cfg.repo_id,
-        "base_model": hub_base_model(model) or model, "base_on_hub": hub_base_model(model) is not None,
+        "base_model": hub_id(model) or model, "base_on_hub": hub_id(model) is not None,
         "model_tag": model,
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
         "start": start, "tldr": tldr(results, start, telemetry), "results": results,

@@ -15,18 +15,9 @@ import click
 from . import configs
 from .errors import SlmsqlError
 
-# stage -> "module:function" taking the resolved config; imported lazily so `--help` stays fast.
-ENTRY = {
-    "toy": "slmsql.toy:main",
-    "tiny-model": "slmsql.tinymodel:main",
-    "sft": "slmsql.sft:main",
-    "filter": "slmsql.passrate:main",
-    "grpo": "slmsql.grpo:main",
-    "evaluate": "slmsql.evaluate:main",
-    "publish": "slmsql.publish:main",
-    "validate": "slmsql.checks:main",
-    "pipeline": "slmsql.pipeline:main",
-}
+def stage_module(stage: str) -> str:
+    """`tiny-model` -> `slmsql.stages.tiny_model`: the one rule from a command to its module."""
+    return f"slmsql.stages.{stage.replace('-', '_')}"
 
 
 def _options(cls):
@@ -37,6 +28,8 @@ def _options(cls):
             flag = "--" + f.name.replace("_", "-")
             hint, help_ = hints[f.name], f.metadata.get("help", "")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if isinstance(default, list):
+                default = ",".join(map(str, default))
             help_ += f"  [default: {default}]" if default not in ("", {}) else ""
             if hint is bool:
                 # `--flag` alone means true; `--flag false` is how MLproject passes a value.
@@ -45,7 +38,8 @@ def _options(cls):
             elif hint is dict:
                 fn = click.option(flag, f.name, multiple=True, metavar="KEY=VALUE", help=help_)(fn)
             else:
-                ptype = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else hint
+                ptype = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else (
+                    str if configs.list_type(hint) else hint)  # lists: comma-separated, split by configs
                 fn = click.option(flag, f.name, type=ptype, default=None, help=help_)(fn)
         return click.option("--recipe", type=click.Path(), default=None,
                             help="YAML recipe setting any of these options (recipes/).")(fn)
@@ -60,14 +54,8 @@ def _command(stage: str, cls):
                 values[name] = " ".join(values[name]) or None
         # `mlflow run` (which sets MLFLOW_RUN_ID) passes every parameter, defaults included
         cfg = configs.load(cls, recipe, values, defaults_yield=bool(os.environ.get("MLFLOW_RUN_ID")))
-        module, fn = ENTRY[stage].split(":")
-        try:
-            entry = getattr(importlib.import_module(module), fn)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            raise SlmsqlError(f"`{stage}` is not implemented yet") from None
-        result = entry(cfg)
+        # stages are imported only when run, so `--help` stays fast
+        result = importlib.import_module(stage_module(stage)).main(cfg)
         ctx.obj = result
 
     return click.command(stage, help=cls.__doc__)(_options(cls)(run))

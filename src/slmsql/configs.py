@@ -4,9 +4,13 @@ Each stage's parameters are a dataclass; each field carries its help text. From 
 - the CLI options (`slmsql <stage> --field-name ...`) are generated (`cli.py`),
 - MLproject's typed parameters are generated (`slmsql mlproject`, checked in sync by a test),
 - YAML recipes under `recipes/` set any field by name.
+List options (`list[str]`, `list[float]`) are written comma-separated on the command line and in MLproject,
+as YAML lists or comma-separated strings in recipes, and parsed here, once.
 Precedence: field default < recipe < command-line value. Under `mlflow run` (which passes every MLproject
 parameter, defaults included) a value equal to the field's default does not override the recipe.
-`trainer_args` passes any further TRL config field (GRPOConfig / SFTConfig) through untouched.
+`trainer_args` passes any further TRL config field (GRPOConfig / SFTConfig) through (training.trl_config).
+`STAGES` is the one list of commands: the CLI, MLproject, the stage modules (`stages/<name>.py`) and the runs
+table (each config's `key_metrics`) all come from it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import yaml
@@ -30,11 +35,20 @@ def opt(default, help: str, **meta):
 
 @dataclass
 class Common:
+    key_metrics: ClassVar = ()  # what `slmsql runs` shows for this stage
     output_dir: str = opt("outputs/run", "Folder for this stage's outputs (refused if not empty unless --overwrite).")
     overwrite: bool = opt(False, "Allow writing into a non-empty output folder.")
     experiment: str = opt("slmsql", "MLflow experiment name.")
     run_name: str = opt("", "MLflow run name (default: the stage name).")
     seed: int = opt(0, "Random seed for sampling and training.")
+
+    def __post_init__(self):
+        # A list option built from Python with a comma-separated string (as MLflow params hold it) is parsed
+        # by the same rule as the command line's.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, str) and list_type(typing.get_type_hints(type(self))[f.name]):
+                setattr(self, f.name, coerce(type(self), f.name, value))
 
 
 @dataclass
@@ -67,6 +81,8 @@ class Model(Prompt):
 class ToyConfig(Common):
     """Generate the embedded toy world: SQLite databases and gold questions in four splits."""
 
+    key_metrics: ClassVar = ("sft_total", "dev_total", "dev_cross_total")
+
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     output_dir: str = opt("outputs/toy", "Folder for the toy world.")
 
@@ -74,6 +90,8 @@ class ToyConfig(Common):
 @dataclass
 class TinyModelConfig(Prompt, Common):
     """Build the embedded default model: a tiny Qwen2 with a tokenizer trained on the toy world."""
+
+    key_metrics: ClassVar = ("parameters",)
 
     data: str = opt("outputs/toy", "Toy world folder whose texts train the tokenizer.")
     output_dir: str = opt("outputs/tiny-model", "Folder for the model and tokenizer.")
@@ -87,6 +105,8 @@ class TinyModelConfig(Prompt, Common):
 @dataclass
 class EvaluateConfig(Model, Workers, Common):
     """Execution accuracy of a model or a predictions file, with intervals and a paired test."""
+
+    key_metrics: ClassVar = ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline_diff", "vs_baseline_mcnemar_p")
 
     data: str = opt("", "Gold file: canonical JSONL, or BIRD/Spider dev.json.", required=True)
     db_root: str = opt("", "Folder holding <db_id>/<db_id>.sqlite.", required=True)
@@ -103,13 +123,15 @@ class Lora:
     lora_r: int = opt(32, "LoRA rank.")
     lora_alpha: int = opt(64, "LoRA alpha (scale).")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
-    target_modules: str = opt("all-linear", "LoRA target modules (comma-separated, or all-linear).")
+    target_modules: list[str] = opt(["all-linear"], "LoRA target modules (comma-separated, or all-linear).")
     trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_ratio=0.1 bf16=true'.")
 
 
 @dataclass
 class SFTStageConfig(Lora, Prompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
+
+    key_metrics: ClassVar = ("train_loss", "steps")
 
     data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
@@ -127,6 +149,8 @@ class SFTStageConfig(Lora, Prompt, Common):
 class FilterConfig(Model, Workers, Common):
     """Sample the policy K times per question and bucket questions by pass rate."""
 
+    key_metrics: ClassVar = ("band", "all_fail", "all_pass", "out_of_band", "errors")
+
     data: str = opt("outputs/toy/rl_source.jsonl", "Source questions in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     k: int = opt(8, "Samples per question.")
@@ -141,14 +165,17 @@ class FilterConfig(Model, Workers, Common):
 class GRPOStageConfig(Lora, Workers, Prompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
+    key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
+                             "summary/exec_frac_groups_correctness_varies", "steps")
+
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     model: str = opt("outputs/sft", "Base model: Hub id or local path.")
     base_adapter: str = opt("", "SFT adapter to start from.")
     adapter_mode: str = opt("continue", "continue: train the base adapter further; stack: merge it, train a new one.",
                             choices=("continue", "stack"))
-    rewards: str = opt("execution,format", "Comma-separated reward names from the registry.")
-    reward_weights: str = opt("", "Comma-separated weights, one per reward (default: all 1).")
+    rewards: list[str] = opt(["execution", "format"], "Comma-separated reward names from the registry.")
+    reward_weights: list[float] = opt([], "Comma-separated weights, one per reward (default: all 1).")
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
     format_tier: float = opt(0.2, "Format reward for a ```sql block.")
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
@@ -173,7 +200,7 @@ class PublishConfig(Common):
     """Model card from the MLflow runs, pushed with the adapter to the Hub."""
 
     grpo_run: str = opt("", "MLflow run id of the GRPO run.", required=True)
-    eval_runs: str = opt("", "Comma-separated MLflow run ids of evaluation runs.")
+    eval_runs: list[str] = opt([], "Comma-separated MLflow run ids of evaluation runs.")
     filter_run: str = opt("", "MLflow run id of the filter run.")
     repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
     private: bool = opt(False, "Create the Hub repo private.")
@@ -189,11 +216,13 @@ class PublishConfig(Common):
 class ValidateConfig(Common):
     """Great Expectations data checks on an RL band or an eval set."""
 
+    key_metrics: ClassVar = ("n_failed",)
+
     kind: str = opt("rl", "Which suite: rl (filter output) or eval (an eval set).", choices=("rl", "eval"))
     data: str = opt("", "File to validate.", required=True)
     db_root: str = opt("", "Database folder.", required=True)
     summary: str = opt("", "The filter's summary.json (rl): bucket counts must add up.")
-    eval_sets: str = opt("", "Comma-separated eval files whose questions the RL set must not share.")
+    eval_sets: list[str] = opt([], "Comma-separated eval files whose questions the RL set must not share.")
     low: float = opt(0.2, "Band lower bound (rl).")
     high: float = opt(0.8, "Band upper bound (rl).")
     output_dir: str = opt("outputs/validate", "Folder for the validation report.")
@@ -202,6 +231,8 @@ class ValidateConfig(Common):
 @dataclass
 class PipelineConfig(Common):
     """The whole lifecycle on the toy world, each step an MLflow run under one parent."""
+
+    key_metrics: ClassVar = ("grpo_ex_dev", "grpo_ex_dev_cross")
 
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
@@ -232,12 +263,21 @@ def parse_trainer_args(value) -> dict:
     return out
 
 
-def _coerce(cls, name: str, value, source):
+def list_type(hint):
+    """The element type of a list option (`list[str]` -> str), None for other hints."""
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+
+
+def coerce(cls, name: str, value, source="command line"):
+    """One value for field `name` of `cls`, from a recipe, the command line or an MLflow param string."""
     f = {f.name: f for f in fields(cls)}[name]
     hint = typing.get_type_hints(cls)[name]
     try:
         if hint is dict:
             return parse_trainer_args(value)
+        if elem := list_type(hint):
+            items = value if isinstance(value, (list, tuple)) else str(value if value is not None else "").split(",")
+            return [elem(str(x).strip()) for x in items if str(x).strip()]
         if hint is bool and isinstance(value, str):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
@@ -246,7 +286,7 @@ def _coerce(cls, name: str, value, source):
             value = int(float(value))  # MLproject has no int type: "8.0" and "8" both mean 8
         value = hint(value) if value is not None else value
     except (TypeError, ValueError):
-        raise DataError(f"expected {hint.__name__}, got {value!r}", source, field=name) from None
+        raise DataError(f"expected {getattr(hint, '__name__', hint)}, got {value!r}", source, field=name) from None
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise DataError(f"must be one of {list(choices)}, got {value!r}", source, field=name)
@@ -273,12 +313,12 @@ def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool 
         for k, v in doc.items():
             if k not in names:
                 raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
-            values[k] = _coerce(cls, k, v, path)
+            values[k] = coerce(cls, k, v, path)
     defaults = cls()
     for k, v in (cli or {}).items():
         if v is None:
             continue
-        v = _coerce(cls, k, v, "command line")
+        v = coerce(cls, k, v, "command line")
         if isinstance(v, dict):
             values[k] = {**values.get(k, {}), **v}
         elif k not in values or not defaults_yield or v != getattr(defaults, k):
@@ -296,6 +336,8 @@ def to_params(cfg) -> dict:
     for k, v in dataclasses.asdict(cfg).items():
         if isinstance(v, dict):
             out.update({f"{k}.{kk}": json.dumps(vv) for kk, vv in v.items()})
+        elif isinstance(v, list):
+            out[k] = ",".join(map(str, v))
         else:
             out[k] = str(v)
     return out

@@ -121,6 +121,24 @@ def check_databases(examples: list[Example], db_root, source=None) -> None:
         checked.add(ex.db_id)
 
 
+def read_predictions(path, gold_ids: set[str]) -> dict[str, dict]:
+    preds: dict[str, dict] = {}
+    for n, row in enumerate(read_jsonl(path), 1):
+        if not isinstance(row, dict) or row.get("id") is None:
+            raise DataError("missing", path, n, "id")
+        if not isinstance(row.get("sql"), str) and not isinstance(row.get("completion"), str):
+            raise DataError("needs a string 'sql' or 'completion'", path, n, "sql")
+        pid = str(row["id"])
+        if pid in preds:
+            raise DataError(f"duplicate id {pid!r}", path, n, "id")
+        if pid not in gold_ids:
+            raise DataError(f"id {pid!r} is not in the gold file", path, n, "id")
+        preds[pid] = row
+    if not preds:
+        raise DataError("no predictions", path)
+    return preds
+
+
 def write_jsonl(path, rows) -> None:
     """Write atomically: a crash never leaves a half-written file under the final name."""
     path = Path(path)

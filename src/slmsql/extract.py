@@ -36,6 +36,13 @@ def extract_sql(completion: str | None) -> tuple[str | None, str]:
     return None, "no_sql"
 
 
+def completion_text(c) -> str:
+    """A completion as text: plain strings as they are; conversational ones as their assistant turn(s)."""
+    if isinstance(c, list):
+        return "".join(m.get("content") or "" for m in c if isinstance(m, dict))
+    return c or ""
+
+
 def has_sql_block(completion: str | None) -> bool:
     """A closed ```sql block with a non-empty body: what the format reward pays for."""
     return any(b.strip() for b in re.findall(r"```[ \t]*sql[ \t]*\n(.*?)```", completion or "",

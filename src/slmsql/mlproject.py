@@ -19,6 +19,8 @@ MLFLOW_TYPE = {str: "string", int: "float", float: "float", bool: "string", dict
 def _default(value):
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value))
     if isinstance(value, dict):
         return " ".join(f"{k}={v}" for k, v in value.items())
     return value
@@ -32,7 +34,7 @@ def render() -> str:
         command = [f"slmsql {stage} --recipe {{recipe}}"]
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            params[f.name] = {"type": MLFLOW_TYPE[hints[f.name]]}
+            params[f.name] = {"type": MLFLOW_TYPE.get(hints[f.name], "string")}  # lists: comma-separated
             if not f.metadata.get("required"):  # no default: `mlflow run` then demands the parameter
                 params[f.name]["default"] = _default(default)
             command.append(f"--{f.name.replace('_', '-')} {{{f.name}}}")

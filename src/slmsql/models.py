@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 import torch
 
-from slmsql.errors import SlmsqlError
+from .errors import SlmsqlError
+from .hub import is_path, snapshot_id
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,6 @@ def _norm(name: str) -> str:
     return str(name).strip().rstrip("/").lower()
 
 
-def _looks_local(name: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else is meant as a path and must not trigger Hub retries.
-    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
-
-
 def _names(name: str) -> tuple[set[str], bool]:
     """The names a model is known by (see the module docstring) and whether it is a local directory."""
     path = Path(name).expanduser()
@@ -57,9 +52,7 @@ def _names(name: str) -> tuple[set[str], bool]:
         except (OSError, ValueError):
             config = {}
         names |= {_norm(config[k]) for k in ("_name_or_path", "name_or_path") if config.get(k)}
-    for n in list(names):
-        if m := re.search(r"models--([^/]+)--([^/]+)", n):
-            names.add(f"{m[1]}/{m[2]}")
+    names |= {snap for n in names if (snap := snapshot_id(n))}
     return names, local
 
 
@@ -73,7 +66,7 @@ def _adapter_config(adapter: str) -> dict:
             return json.loads(file.read_text())
         except ValueError as e:
             raise SlmsqlError(f"adapter '{adapter}': adapter_config.json is not valid JSON: {e}") from e
-    if _looks_local(adapter):
+    if is_path(adapter):
         raise SlmsqlError(f"adapter '{adapter}': directory not found")
     from peft import PeftConfig
 
@@ -147,7 +140,7 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     if adapter is not None:
         check_adapter_base(adapter, model)
-    if not Path(model).expanduser().is_dir() and _looks_local(model):
+    if not Path(model).expanduser().is_dir() and is_path(model):
         raise SlmsqlError(f"model '{model}': directory not found")
     try:
         AutoConfig.from_pretrained(model)  # cheap: fails fast on a bad path/id before any weights are read

@@ -1,49 +1,76 @@
-"""Output folders that are either complete or absent.
+"""Output folders that are either complete or absent: the one helper every stage that writes a folder uses.
 
-A stage writes into `<out>.partial/` and renames it to `<out>` only when it succeeds, so a failed run
-leaves no half-written output under the final name. Resumable stages (filter, grpo) keep `.partial/`
-after a crash and pick up from it on the next run with the same output folder.
+A stage writes into `<out>.partial/` and renames it to `<out>` only when it succeeds, so a failed run leaves
+no half-written output under the final name. A resumable stage (filter, grpo) passes an `identity` (the
+parameters that determine its result): a crash then keeps `.partial/` with `resume_state.json` (identity and
+MLflow run id), and the next run with the same output folder and identity picks up from it, in the same
+MLflow run. `resume=None` resumes whenever it can (filter); `resume=False` refuses a leftover `.partial/`
+unless `overwrite` (grpo without --resume: an unfinished run is never silently thrown away).
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 from .errors import SlmsqlError
 
+STATE = "resume_state.json"
+
 
 def check_free(output_dir, overwrite: bool) -> Path:
+    """The output folder, refused before any slow work if something is in the way."""
     out = Path(output_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if out.exists() and not out.is_dir():
+        raise SlmsqlError(f"output folder {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise SlmsqlError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
     return out
 
 
-def partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
+class Staged:
+    """`with Staged(out, overwrite) as st:` write into `st.work`; on success it becomes `out` in one rename."""
 
+    def __init__(self, output_dir, overwrite: bool = False, *, identity: dict | None = None,
+                 resume: bool | None = None):
+        self.out = check_free(output_dir, overwrite or bool(resume))
+        self.work = self.out.with_name(self.out.name + ".partial")
+        self.overwrite, self.resume = overwrite, resume
+        self.identity = None if identity is None else json.loads(json.dumps(identity, default=str))
+        self.run_id: str | None = None  # the unfinished run this one continues, if any
 
-def promote(work: Path, out: Path) -> None:
-    """Replace `out` by the finished `work` folder in one rename."""
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(work, out)
+    @property
+    def resumable(self) -> bool:
+        return self.identity is not None
 
+    def __enter__(self) -> Staged:
+        if self.work.exists():
+            if not self.resumable or (self.resume is False and self.overwrite):
+                shutil.rmtree(self.work)
+            elif self.resume is False:
+                raise SlmsqlError(f"{self.work} holds an unfinished run: pass --resume to continue it, or --overwrite")
+        self.work.mkdir(parents=True, exist_ok=True)
+        state = self.work / STATE
+        if self.resumable and state.exists():
+            saved = json.loads(state.read_text())
+            if saved["identity"] != self.identity:
+                raise SlmsqlError(f"{self.work} holds an unfinished run with other parameters; delete it to start over")
+            self.run_id = saved["run_id"]
+        return self
 
-@contextlib.contextmanager
-def staged(output_dir, overwrite: bool = False, resumable: bool = False):
-    out = check_free(output_dir, overwrite)
-    work = partial_dir(out)
-    if work.exists() and not resumable:
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        yield work
-    except BaseException:
-        if not resumable:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-    promote(work, out)
+    def bind(self, run_id: str) -> None:
+        """Record the MLflow run doing this work, so a rerun after a crash continues it."""
+        if self.resumable:
+            (self.work / STATE).write_text(json.dumps({"identity": self.identity, "run_id": run_id}))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            if not self.resumable:
+                shutil.rmtree(self.work, ignore_errors=True)
+            return
+        (self.work / STATE).unlink(missing_ok=True)
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.work, self.out)

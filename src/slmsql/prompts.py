@@ -198,6 +198,11 @@ def build_messages(question: str, schema: str, evidence: str | None = None, syst
     return [{"role": "system", "content": SYSTEM}, user] if system else [user]
 
 
+def answer(sql: str) -> str:
+    """The assistant turn SFT trains on and the format reward looks for."""
+    return f"```sql\n{sql}\n```"
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise SlmsqlError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")

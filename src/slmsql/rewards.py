@@ -15,8 +15,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .extract import extract_sql, has_sql_block
-from .scoring import Outcome, judge
+from .errors import SlmsqlError
+from .extract import completion_text, has_sql_block
+from .scoring import Outcome, outcomes
+
+
+class RewardError(SlmsqlError, ValueError):
+    """A reward set-up no run could use."""
 
 
 @dataclass(frozen=True)
@@ -25,18 +30,6 @@ class Tiers:
     runs: float = 0.1
     fails: float = 0.0
     format: float = 0.2
-
-
-def completion_text(c) -> str:
-    if isinstance(c, list):  # conversational: the assistant turn(s)
-        return "".join(m.get("content") or "" for m in c if isinstance(m, dict))
-    return c or ""
-
-
-def outcomes(completions, sql, db_path, executor, match="bird") -> list[Outcome]:
-    """Correctness and execution status of each completion (the filter's pass rate uses this)."""
-    preds = [extract_sql(completion_text(c))[0] for c in completions]
-    return judge(zip(db_path, preds, sql), executor, match)
 
 
 def execution_tier(o: Outcome, tiers: Tiers = Tiers()) -> float:
@@ -81,13 +74,20 @@ def format_reward(prompts, completions, *, tiers: Tiers = Tiers(), **_) -> list[
 REGISTRY = {"execution": execution_reward, "format": format_reward}
 
 
+def check(names, weights=()) -> None:
+    """Reward names must be registered, and weights (if any) one per reward: checked before a model loads."""
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown or not names:
+        raise RewardError(f"unknown reward(s) {unknown or list(names)}; registered: {sorted(REGISTRY)}")
+    if weights and len(weights) != len(names):
+        raise RewardError(f"{len(weights)} reward weights for {len(names)} rewards ({list(names)})")
+
+
 def build(names, **bound):
     """Reward callables for TRL, each named after its registry key, so metrics read `rewards/execution/mean`.
 
     Closures rather than functools.partial: TRL unwraps partials to the inner function's name."""
-    unknown = [n for n in names if n not in REGISTRY]
-    if unknown:
-        raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REGISTRY)}")
+    check(names)
 
     def bind(name):
         target = REGISTRY[name]

@@ -1,6 +1,6 @@
 """Sandboxed SQLite execution of untrusted, model-written SQL.
 
-Layers (see facts.md, "SQLite sandboxing"): a read-only URI connection; a whitelist authorizer (SELECT,
+Layers: a read-only URI connection; a whitelist authorizer (SELECT,
 READ, FUNCTION, RECURSIVE) that also stops ATTACH / VACUUM INTO, PRAGMA, temp tables and writes;
 SQLITE_LIMIT_ATTACHED=0 as a second lock on ATTACH; LENGTH limits against giant blobs; temp_store=MEMORY
 with a hard heap limit so big sorts fail with MemoryError instead of filling the disk; a progress-handler
@@ -34,7 +34,6 @@ KILL_GRACE_S = 0.5        # pool: a job still running at deadline + grace gets i
 MAX_CHUNK = 64            # jobs per task sent to a worker: amortises IPC, bounds imbalance
 MAX_CONNECTIONS = 32      # per process; page caches count against the (global) heap limit
 _PROGRESS_OPS = 1000      # VM ops between deadline checks: <1% overhead, ~50 us overshoot
-_TEST_HOOK_ENV = "SLMSQL_SANDBOX_TEST_HOOKS"  # test-only: honour "-- slmsql-test: crash|hang" jobs
 
 _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 _DENIED_FUNCTIONS = {"load_extension"}
@@ -197,7 +196,7 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _init_worker(limits: Limits, slots, counter, test_hooks: bool):
+def _init_worker(limits: Limits, slots, counter, runner):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
@@ -205,28 +204,19 @@ def _init_worker(limits: Limits, slots, counter, test_hooks: bool):
     with counter.get_lock():
         slot, counter.value = counter.value, counter.value + 1
     slots[3 * slot] = os.getpid()
-    _worker.update(limits=limits, slots=slots, slot=3 * slot, test_hooks=test_hooks)
+    _worker.update(limits=limits, slots=slots, slot=3 * slot, runner=runner)
 
 
 def _run_chunk(chunk: list) -> list:
-    limits, slots, s, hooks = (_worker[k] for k in ("limits", "slots", "slot", "test_hooks"))
+    limits, slots, s, runner = (_worker[k] for k in ("limits", "slots", "slot", "runner"))
     out = []
     for job_id, db_file, sql in chunk:
         # Write order matters: the parent trusts `start` only when it reads the same job id around it.
         slots[s + 2] = time.monotonic()
         slots[s + 1] = job_id
-        if hooks and isinstance(sql, str) and sql.startswith("-- slmsql-test: "):
-            _test_hook(sql)
-        out.append(_run(db_file, sql, limits))
+        out.append(runner(db_file, sql, limits))
         slots[s + 1] = -1
     return out
-
-
-def _test_hook(sql: str):
-    if sql == "-- slmsql-test: crash":
-        os._exit(70)
-    if sql == "-- slmsql-test: hang":
-        time.sleep(60)  # the parent kills it long before; bounded in case the parent dies first
 
 
 def _default_start_method() -> str:
@@ -239,13 +229,15 @@ class SandboxPool:
     """Process pool for many queries: results in job order, statuses never exceptions."""
 
     def __init__(self, workers: int | None = None, limits: Limits = Limits(), *,
-                 chunksize: int | None = None, start_method: str | None = None):
+                 chunksize: int | None = None, start_method: str | None = None, runner=None):
+        """`runner(db_file, sql, limits) -> tuple` executes one job in a worker (default: the sandbox's own);
+        a module-level function, so it pickles. Tests pass one that crashes or hangs on purpose."""
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.limits, self.chunksize = limits, chunksize
         self._ctx = mp.get_context(start_method or _default_start_method())
         if self._ctx.get_start_method() == "forkserver":
             self._ctx.set_forkserver_preload(["slmsql.sandbox"])
-        self._test_hooks = os.environ.get(_TEST_HOOK_ENV) == "1"
+        self._runner = runner or _run
         self._gold: dict = {}
         self._pool = None
         self.rebuilds = 0  # how often a dead worker forced a new pool (for logs and tests)
@@ -283,7 +275,7 @@ class SandboxPool:
             counter = self._ctx.Value("i", 0)
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=self._ctx, initializer=_init_worker,
-                initargs=(self.limits, self._slots, counter, self._test_hooks))
+                initargs=(self.limits, self._slots, counter, self._runner))
         return self._pool
 
     def _restart(self):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .data import Example, db_path
-from .extract import extract_sql
+from .extract import completion_text, extract_sql
 from .matching import results_match
-from .sandbox import ExecResult, Limits, execute
+from .sandbox import ExecResult
 
 # Per-example statuses: the sandbox's five, plus two that never reach SQLite.
 STATUSES = ("ok", "error", "timeout", "truncated", "rejected", "no_sql", "gold_error")
@@ -19,33 +19,6 @@ class Outcome:
     status: str  # ok means "ran"; correct says whether it matched
     error: str | None = None
     pred_ms: float | None = None
-
-
-class InlineExecutor:
-    """The SandboxPool interface, run in this process: for small jobs and tests."""
-
-    def __init__(self, limits: Limits = Limits()):
-        self.limits, self._gold = limits, {}
-
-    def run(self, jobs):
-        return [execute(db, sql, self.limits) for db, sql in jobs]
-
-    def run_gold(self, jobs):
-        out = []
-        for job in jobs:
-            if job not in self._gold:
-                self._gold[job] = execute(*job, self.limits)
-            out.append(self._gold[job])
-        return out
-
-    def close(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def judge(items, executor, match: str = "bird") -> list[Outcome]:
@@ -65,6 +38,12 @@ def judge(items, executor, match: str = "bird") -> list[Outcome]:
             ok = r.status == "ok" and results_match(r.rows, gold.rows, match, gold_sql)
             out.append(Outcome(ok, r.status, r.error, round(r.elapsed_ms, 3)))
     return out
+
+
+def outcomes(completions, sql, db_path, executor, match="bird") -> list[Outcome]:
+    """Correctness and execution status of each raw completion (the filter's pass rate, the reward)."""
+    preds = [extract_sql(completion_text(c))[0] for c in completions]
+    return judge(zip(db_path, preds, sql), executor, match)
 
 
 def score_predictions(examples: list[Example], predictions: dict[str, dict], db_root, executor,
@@ -90,7 +69,7 @@ def score_predictions(examples: list[Example], predictions: dict[str, dict], db_
     return rows
 
 
-def summarize(results: list[dict], confidence: float = 0.95) -> dict:
+def ex_summary(results: list[dict], confidence: float = 0.95) -> dict:
     """EX with its Wilson interval, per-difficulty EX, and the rate of each failure status."""
     from . import stats  # scipy/statsmodels: kept off the import path that sandbox workers re-run
 

@@ -59,22 +59,34 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
         yield run
 
 
-def resume_state(work: Path, identity: dict) -> str | None:
-    """The MLflow run id of an unfinished stage in `work`, if its parameters match `identity`.
+def stage_run_of(client, run_id: str, stage: str, role: str, finished: bool = True):
+    """The run `run_id`, refused unless it exists, is a `stage` run and (by default) finished.
+    `role` names it in errors ("baseline", "GRPO", ...)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
 
-    Resumable stages (filter, grpo) call this before starting their run and `save_resume_state` once it
-    exists, so a rerun after a crash continues the same run instead of scattering the work over two."""
-    state = work / "resume_state.json"
-    if not state.exists():
-        return None
-    saved = json.loads(state.read_text())
-    if saved["identity"] != json.loads(json.dumps(identity, default=str)):
-        raise SlmsqlError(f"{work} holds an unfinished run with other parameters; delete it to start over")
-    return saved["run_id"]
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise SlmsqlError(f"{role} run {run_id!r} does not exist in {mlflow.get_tracking_uri()}") from None
+    got = run.data.tags.get("slmsql.stage")
+    if got != stage:
+        raise SlmsqlError(f"{role} run {run_id} has stage {got!r}, expected {stage!r}")
+    if finished and run.info.status != "FINISHED":
+        raise SlmsqlError(f"{role} run {run_id} is {run.info.status}: use only finished runs")
+    return run
 
 
-def save_resume_state(work: Path, identity: dict, run_id: str) -> None:
-    (work / "resume_state.json").write_text(json.dumps({"identity": identity, "run_id": run_id}, default=str))
+def download(run_id: str, path: str, dst) -> Path:
+    """One artifact of a run, with a clear error when the run has no such artifact."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dst)))
+    except (MlflowException, OSError) as e:
+        raise SlmsqlError(f"run {run_id} has no artifact {path!r} ({e})") from None
 
 
 def log_json(obj, artifact_file: str) -> None:
@@ -99,21 +111,6 @@ def metric_name(key: str) -> str:
     import re
 
     return re.sub(r"_+", "_", re.sub(r"[^\w./-]", "_", key)).strip("_")
-
-
-def trainer_callback():
-    """A transformers callback logging the trainer's metrics to the active MLflow run, and nothing else:
-    `report_to="mlflow"` would also log ~224 params (every training argument and model-config field)."""
-    from transformers import TrainerCallback
-
-    class MlflowMetrics(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            import mlflow
-
-            if state.is_world_process_zero and logs:
-                mlflow.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
-
-    return MlflowMetrics()
 
 
 def server_command(host: str, port: int, store: Path, artifacts: Path) -> list[str]:
@@ -156,17 +153,11 @@ def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifact
     raise SlmsqlError(f"mlflow server on {uri} did not become healthy within {timeout_s:.0f} s")
 
 
-KEY_METRICS = {"toy": ("sft_total", "dev_total", "dev_cross_total"), "tiny-model": ("parameters",),
-               "sft": ("train_loss", "steps"), "filter": ("band", "all_fail", "all_pass", "out_of_band", "errors"),
-               "grpo": ("summary/frac_reward_zero_std", "summary/reward_std",
-                        "summary/exec_frac_groups_correctness_varies", "steps"),
-               "evaluate": ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline_diff", "vs_baseline_mcnemar_p"),
-               "publish": (), "validate": ("n_failed",), "pipeline": ("grpo_ex_dev", "grpo_ex_dev_cross")}
-
-
 def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
     """The latest runs, one line each, with the metrics that matter for their stage."""
     import mlflow
+
+    from .configs import STAGES
 
     configure()
     client = mlflow.MlflowClient()
@@ -178,7 +169,7 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
     for r in reversed(runs):
         stage = r.data.tags.get("slmsql.stage", "?")
         shown = []
-        for k in KEY_METRICS.get(stage, ()):
+        for k in getattr(STAGES.get(stage), "key_metrics", ()):
             if k in r.data.metrics:
                 v = r.data.metrics[k]
                 shown.append(f"{k.split('/')[-1]}={v:.3g}")
@@ -187,15 +178,3 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
         lines.append(f"{(r.info.run_name or '')[:20]:<20} {stage:<10} {r.info.status:<9} {r.info.run_id:<32}  "
                      + " ".join(shown))
     return "\n".join(lines)
-
-
-def quiet_progress(trainer) -> None:
-    """Keep the trainer's progress bar but stop it printing every log dict to stdout (MLflow has them)."""
-    from transformers.trainer_callback import ProgressCallback
-
-    class BarOnly(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            pass
-
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(BarOnly())

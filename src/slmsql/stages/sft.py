@@ -10,41 +10,20 @@ import json
 import logging
 import time
 
-from .configs import SFTStageConfig, parse_trainer_args
-from .data import check_databases, read_gold
-from .errors import SlmsqlError
-from .outputs import check_free, staged
+from ..configs import SFTStageConfig
+from ..data import check_databases, read_gold
+from ..errors import SlmsqlError
+from ..outputs import Staged
+from ..prompts import answer, builder_for
 
 log = logging.getLogger(__name__)
 
 
-def answer(sql: str) -> str:
-    return f"```sql\n{sql}\n```"
-
-
 def conversations(cfg, examples) -> list[dict]:
     """TRL's conversational prompt-completion rows: loss falls on the completion only."""
-    from .prompts import builder_for
-
     builder = builder_for(cfg)
     return [{"prompt": builder.messages(ex), "completion": [{"role": "assistant", "content": answer(ex.sql)}]}
             for ex in examples]
-
-
-def device_args() -> dict:
-    """TRL configs default to bf16, which transformers refuses on a CPU: pick precision from the device."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
-
-
-def lora_config(cfg):
-    from peft import LoraConfig
-
-    targets = cfg.target_modules if cfg.target_modules == "all-linear" else cfg.target_modules.split(",")
-    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
 
 
 def main(cfg: SFTStageConfig) -> dict:
@@ -53,18 +32,21 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from . import tracking
-    from .models import check_adapter_base, load_model
+    from .. import tracking, training
+    from ..models import check_adapter_base, load_model
 
     # args: every check before any model loads
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
-    check_free(cfg.output_dir, cfg.overwrite)
+    st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
-    extra = parse_trainer_args(cfg.trainer_args)
+    args = training.trl_config(  # also refuses unknown or slmsql-owned trainer_args, before any model loads
+        SFTConfig, cfg, st.work / "checkpoints", lr_scheduler_type="cosine",
+        warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
+        gradient_checkpointing=False, dataloader_num_workers=0)
 
-    with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run(
+    with st, tracking.stage_run(
             "sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter}):
         # data
         train = Dataset.from_list(conversations(cfg, examples))
@@ -73,21 +55,16 @@ def main(cfg: SFTStageConfig) -> dict:
         # model
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
-        peft_config = lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
+        peft_config = training.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
         # trainer
-        args = SFTConfig(
-            output_dir=str(work / "checkpoints"), max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
-            per_device_train_batch_size=cfg.per_device_train_batch_size, max_length=cfg.max_length,
-            lr_scheduler_type="cosine", warmup_steps=min(30, cfg.max_steps // 10), seed=cfg.seed,
-            logging_steps=max(1, cfg.max_steps // 50), save_strategy="no", report_to="none",
-            gradient_checkpointing=False, dataloader_num_workers=0, **{**device_args(), **extra})
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
-                             peft_config=peft_config, callbacks=[tracking.trainer_callback()])
-        tracking.quiet_progress(trainer)
+                             peft_config=peft_config, callbacks=[training.metrics_callback()])
+        training.quiet_progress(trainer)
         t0 = time.time()
         result = trainer.train()
         if trainer.state.global_step == 0:
             raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
+        work = st.work
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way
         if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
             (work / "checkpoints").rmdir()

@@ -10,55 +10,31 @@ import logging
 import tempfile
 from pathlib import Path
 
-from . import stats
-from .configs import EvaluateConfig
-from .data import check_databases, read_gold, read_jsonl, write_jsonl
-from .errors import DataError, SlmsqlError
-from .outputs import check_free, staged
-from .sandbox import Limits, SandboxPool
-from .scoring import score_predictions, summarize
+from .. import stats
+from ..configs import EvaluateConfig
+from ..data import check_databases, read_gold, read_jsonl, read_predictions, write_jsonl
+from ..errors import DataError, SlmsqlError
+from ..figures import ex_figure
+from ..outputs import Staged
+from ..sandbox import Limits, SandboxPool
+from ..scoring import ex_summary, score_predictions
 
 log = logging.getLogger(__name__)
-
-
-def read_predictions(path, gold_ids: set[str]) -> dict[str, dict]:
-    preds: dict[str, dict] = {}
-    for n, row in enumerate(read_jsonl(path), 1):
-        if not isinstance(row, dict) or row.get("id") is None:
-            raise DataError("missing", path, n, "id")
-        if not isinstance(row.get("sql"), str) and not isinstance(row.get("completion"), str):
-            raise DataError("needs a string 'sql' or 'completion'", path, n, "sql")
-        pid = str(row["id"])
-        if pid in preds:
-            raise DataError(f"duplicate id {pid!r}", path, n, "id")
-        if pid not in gold_ids:
-            raise DataError(f"id {pid!r} is not in the gold file", path, n, "id")
-        preds[pid] = row
-    if not preds:
-        raise DataError("no predictions", path)
-    return preds
 
 
 def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> dict[str, bool]:
     """The baseline run's per-example correctness, refused unless it scored the same questions the same way."""
     import mlflow
-    from mlflow.exceptions import MlflowException
 
-    client = mlflow.MlflowClient()
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        raise SlmsqlError(f"baseline run {run_id!r} does not exist in {mlflow.get_tracking_uri()}") from None
-    tags = run.data.tags
-    if tags.get("slmsql.stage") != "evaluate":
-        raise SlmsqlError(f"baseline run {run_id} is not an evaluate run (stage {tags.get('slmsql.stage')!r})")
+    from .. import tracking
+
+    tags = tracking.stage_run_of(mlflow.MlflowClient(), run_id, "evaluate", "baseline").data.tags
     for key, want in (("slmsql.dataset", dataset), ("slmsql.match", match)):
         if tags.get(key) != want:
             raise SlmsqlError(f"baseline run {run_id} has {key}={tags.get(key)!r}, this run {want!r}: "
                               "paired comparison needs the same dataset and match mode")
     with tempfile.TemporaryDirectory() as d:
-        path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="results.jsonl", dst_path=d)
-        rows = read_jsonl(path)
+        rows = read_jsonl(tracking.download(run_id, "results.jsonl", d))
     correct = {str(r["id"]): bool(r["correct"]) for r in rows}
     if sorted(correct) != sorted(gold_ids):
         raise SlmsqlError(f"baseline run {run_id} scored a different set of questions "
@@ -66,39 +42,14 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
     return correct
 
 
-def ex_figure(metrics: dict, comparison: dict | None, label: str):
-    """EX with Wilson intervals, this run beside its baseline: the picture a reader checks first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bars = [(label, metrics["ex"], metrics["ex_ci_low"], metrics["ex_ci_high"])]
-    if comparison:
-        bars.insert(0, ("baseline", comparison["ex_b"], comparison["ex_b_ci_low"], comparison["ex_b_ci_high"]))
-    fig, ax = plt.subplots(figsize=(4, 3))
-    for i, (name, ex, lo, hi) in enumerate(bars):
-        ax.bar(i, ex * 100, color="#8aa" if name == "baseline" else "#36c")
-        # clamped: statsmodels' Wilson bound for k == n is 0.9999999999999999, and a negative yerr raises
-        ax.errorbar(i, ex * 100, yerr=[[max(0.0, 100 * (ex - lo))], [max(0.0, 100 * (hi - ex))]], color="k",
-                    capsize=6)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
-    ax.set_ylabel("EX % (95% Wilson)")
-    ax.set_ylim(0, 100)
-    if comparison:
-        ax.set_title(f"{comparison['verdict']} (McNemar p={comparison['mcnemar_p']:.3g})", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from . import tracking
+    from .. import tracking
 
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
-    check_free(cfg.output_dir, cfg.overwrite)
+    st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.predictions:
         preds = read_predictions(cfg.predictions, {e.id for e in examples})
     elif not cfg.model:
@@ -110,16 +61,18 @@ def main(cfg: EvaluateConfig) -> dict:
         baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
-    with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run("evaluate", cfg, tags=tags):
+    with st, tracking.stage_run("evaluate", cfg, tags=tags):
+        work = st.work
         if not cfg.predictions:
-            from .generation import predict  # heavy imports (torch, transformers) only when generating
+            from ..generation import predict  # heavy imports (torch, transformers) only when generating
+            from ..models import load_model
 
-            preds = predict(cfg, examples)
+            preds = predict(cfg, examples, load_model(cfg.model, cfg.adapter or None))
             write_jsonl(work / "predictions.jsonl", [{"id": k, **v} for k, v in preds.items()])
         limits = Limits(timeout_s=cfg.timeout_s)
         with SandboxPool(cfg.workers or None, limits) as pool:
             results = score_predictions(examples, preds, cfg.db_root, pool, cfg.match)
-        metrics = summarize(results)
+        metrics = ex_summary(results)
         comparison = None
         if baseline is not None:
             comparison = stats.compare([r["correct"] for r in results], [baseline[r["id"]] for r in results],

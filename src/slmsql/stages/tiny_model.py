@@ -11,10 +11,11 @@ import logging
 import time
 from pathlib import Path
 
-from .configs import TinyModelConfig
-from .data import read_gold
-from .errors import SlmsqlError
-from .outputs import staged
+from ..configs import TinyModelConfig
+from ..data import read_gold
+from ..errors import SlmsqlError
+from ..outputs import Staged
+from ..prompts import answer, builder_for
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,7 @@ log = logging.getLogger(__name__)
 def training_texts(cfg) -> list[str]:
     from jinja2 import Template
 
-    from .models import CHATML_TEMPLATE
-    from .prompts import builder_for
-    from .sft import answer
+    from ..models import CHATML_TEMPLATE
 
     toy_dir = Path(cfg.data)
     if not (toy_dir / "sft.jsonl").is_file():
@@ -41,11 +40,12 @@ def training_texts(cfg) -> list[str]:
 def main(cfg: TinyModelConfig) -> dict:
     import mlflow
 
-    from . import tracking
-    from .models import build_tiny_model
+    from .. import tracking
+    from ..models import build_tiny_model
 
     texts = training_texts(cfg)
-    with staged(cfg.output_dir, cfg.overwrite) as work, tracking.stage_run("tiny-model", cfg):
+    with Staged(cfg.output_dir, cfg.overwrite) as st, tracking.stage_run("tiny-model", cfg):
+        work = st.work
         t0 = time.time()
         build_tiny_model(work, texts, vocab_size=cfg.vocab_size, hidden=cfg.hidden, layers=cfg.layers,
                          heads=cfg.heads, ffn=cfg.ffn, seed=cfg.seed)

@@ -3,8 +3,8 @@
 A shared-lexicon world. Every database belongs to one of nine domains (shop, school, library, ...), but its
 table names, column names and categorical values are all drawn from ONE shared lexicon: each table slot picks
 a synonym ("customer" / "client" / "buyer") and a subset of candidate columns, and the same words recur across
-domains ("client" in shop and hospital, "city" in a dozen tables). A scratch experiment (facts.md, "A tiny
-model on a toy text-to-SQL world") found that a 0.8M-parameter model reaches 0% on unseen databases unless
+domains ("client" in shop and hospital, "city" in a dozen tables). A scratch experiment (before this
+project, on a toy text-to-SQL world like this one) found that a 0.8M-parameter model reaches 0% on unseen databases unless
 their identifiers are words it has already seen as identifiers; with a shared lexicon and identifier renaming
 during training it reached 24-47%. We get the renaming by construction rather than by rewriting examples:
 training questions are spread over many databases (40 / 120 / 400 by size), so each word appears under many
@@ -29,17 +29,15 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import random
-import shutil
 import sqlite3
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data import DIFFICULTIES, Example, write_jsonl
 from .errors import SlmsqlError
+from .outputs import Staged
 from .toy_lexicon import (ADJ, DATES, DOMAINS, FIRST, LAST, MATERIAL, NO_SUM, NOUN, NUMERIC, OBJECT,
                           POOLS, an, human, plural)
 
@@ -618,48 +616,14 @@ def _build(out: Path, seed: int, size: str) -> dict:
 def generate(output_dir, seed: int, size: str = "small", overwrite: bool = False) -> dict:
     """Write the toy world to output_dir; returns the summary plus the seconds it took.
 
-    Built in a temporary directory next to output_dir and renamed into place, so a crash leaves nothing
+    Built in `<output_dir>.partial` and renamed into place (outputs.Staged), so a crash leaves nothing
     half-written under the final name.
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise SlmsqlError(f"toy world: seed must be an integer, got {seed!r}")
     if size not in SIZES:
         raise SlmsqlError(f"toy world: unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise SlmsqlError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise SlmsqlError(f"{out}: directory is not empty (pass overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the world is meant to be shared
-    try:
-        summary = _build(tmp, seed, size)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with Staged(output_dir, overwrite) as st:
+        summary = _build(st.work, seed, size)
     return {**summary, "seconds": round(time.perf_counter() - start, 2)}
-
-
-def main(cfg) -> dict:
-    """`slmsql toy`: generate the world, then log its counts and the world itself to MLflow."""
-    import mlflow
-
-    from . import tracking
-
-    summary = generate(cfg.output_dir, cfg.seed, cfg.size, cfg.overwrite)
-    with tracking.stage_run("toy", cfg):
-        mlflow.log_metrics({f"{split}_{k}": v for split, c in summary["counts"].items() for k, v in c.items()})
-        mlflow.log_metric("generate_seconds", summary["seconds"])
-        mlflow.log_artifacts(str(cfg.output_dir), "toy")  # later steps take the world from the run
-    for split, c in summary["counts"].items():
-        log.info("%-10s %5d questions (%s)", split, c["total"], ", ".join(f"{d} {c[d]}" for d in DIFFICULTIES))
-    return summary

@@ -13,17 +13,20 @@ import hashlib
 import logging
 from pathlib import Path
 
-from .configs import PipelineConfig
+from ..configs import PipelineConfig
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]  # the MLproject folder
+PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
+ROOT = PACKAGE.parents[1]  # the MLproject folder
 
 
 def code_version() -> str:
-    """Hash of the library's source: a reused step must have been produced by this code."""
+    """Hash of everything that shapes a step's result: the whole package, the data-check suites and the card
+    template. A reused step must have been produced by this code."""
     h = hashlib.sha256()
-    for f in sorted((ROOT / "src" / "slmsql").glob("*.py")):
-        h.update(f.name.encode() + f.read_bytes())
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
+    for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -81,7 +84,7 @@ def main(cfg: PipelineConfig) -> dict:
 
     import mlflow
 
-    from . import tracking
+    from .. import tracking
 
     # `mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

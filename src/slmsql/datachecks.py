@@ -409,34 +409,3 @@ def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float
 def run_rl_check(band_file, db_root, summary_file, low, high, eval_sets=()) -> Report:
     """The filter stage's guard on its own output."""
     return validate("rl", band_file, db_root, summary=summary_file, eval_sets=eval_sets, low=low, high=high)
-
-
-def main(cfg) -> Report:
-    """`slmsql validate`: write OUT/validation.{json,md}, log them and the counts to MLflow.
-
-    A failing suite is still a complete result: the report is written (the staged folder is renamed into
-    place) and logged first, then SlmsqlError is raised inside the MLflow run, so the run ends FAILED and
-    the CLI prints the failed expectations and exits 2. Unreadable input raises DataError before any run.
-    """
-    import mlflow
-
-    from . import tracking
-    from .outputs import check_free, staged
-
-    out = check_free(cfg.output_dir, cfg.overwrite)  # fail before the slow part
-    eval_sets = [p.strip() for p in cfg.eval_sets.split(",") if p.strip()]
-    report = validate(cfg.kind, cfg.data, cfg.db_root, summary=cfg.summary or None, eval_sets=eval_sets,
-                      low=cfg.low, high=cfg.high)
-    with tracking.stage_run("validate", cfg, tags={"slmsql.validate.kind": cfg.kind,
-                                                   "slmsql.validate.success": str(report.success).lower()}):
-        with staged(out, cfg.overwrite) as work:
-            (work / "validation.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-            (work / "validation.md").write_text(report.to_markdown())
-        for name in ("validation.json", "validation.md"):
-            mlflow.log_artifact(str(out / name))
-        mlflow.log_metrics({"n_expectations": len(report.results), "n_failed": len(report.failed),
-                            "success": float(report.success), "n_rows": report.n_rows,
-                            "gx_seconds": report.gx_seconds})
-        if not report.success:
-            raise SlmsqlError(report.failure_message(out / "validation.md"))
-    return report

@@ -1,0 +1,92 @@
+"""The Hugging Face Hub side: what a model name refers to, repo ids, the token, and the one-commit push.
+
+Model names (one rule, used by model loading, adapter checks, the card and publish): a Hub id is `name` or
+`org/name`; anything starting with `/`, `./`, `../`, `~` or holding more than one `/` is a path. A local
+Hub-cache snapshot (`.../models--org--name/snapshots/<rev>`) is that Hub id's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from .errors import SlmsqlError
+
+log = logging.getLogger(__name__)
+_SNAPSHOT = re.compile(r"models--([\w.-]+)--([\w.-]+)")
+
+
+def is_path(name: str) -> bool:
+    """Meant as a filesystem path (so never looked up on the Hub, which would only cost retries)."""
+    return str(name).startswith(("/", "./", "../", "~")) or str(name).count("/") > 1
+
+
+def snapshot_id(name: str) -> str | None:
+    """`org/name` when `name` is (inside) a Hub-cache snapshot folder, else None."""
+    m = _SNAPSHOT.search(str(name))
+    return f"{m[1]}/{m[2]}" if m else None
+
+
+def hub_id(model: str) -> str | None:
+    """The Hub id of a base model, or None when it is only a local checkpoint (a full fine-tune, a private
+    checkpoint): an adapter on such a base can be written out (--dry-run) but not published against it."""
+    if snap := snapshot_id(model):
+        return snap
+    return None if not model or Path(model).expanduser().is_dir() or is_path(model) else model
+
+
+def same_model(a: str, b: str) -> bool:
+    """The loose rule runs are matched by: the same name, or the same last path component."""
+    a, b = (str(x or "").strip().rstrip("/").lower() for x in (a, b))
+    return a == b or (bool(a) and bool(b) and a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1])
+
+
+def check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise SlmsqlError(f"--repo-id {repo_id!r}: {e}") from None
+    if repo_id.count("/") != 1:
+        raise SlmsqlError(f"--repo-id {repo_id!r}: must be OWNER/NAME (a user or organization, then the name)")
+
+
+def hub_token(dry_run: bool) -> str | None:
+    if dry_run:
+        return None
+    from huggingface_hub import get_token
+
+    token = get_token()  # HF_TOKEN, then the token file of `hf auth login`
+    if not token:
+        raise SlmsqlError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or use --dry-run)")
+    return token
+
+
+def push(cfg, token: str, folder: Path) -> dict:
+    """One commit of `folder` to cfg.repo_id (created if missing); no commit when nothing changed."""
+    import httpx2  # huggingface_hub 2.4's HTTP client: its errors cover refused connections and timeouts
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(endpoint=cfg.endpoint or None, token=token)
+    try:
+        url = api.create_repo(cfg.repo_id, private=cfg.private, exist_ok=True)
+        before = api.model_info(cfg.repo_id)  # an upload that changes nothing returns this head
+        if before.private is not None and before.private != cfg.private:  # exist_ok leaves visibility as it is
+            log.warning("%s already exists and stays %s", cfg.repo_id, "private" if before.private else "public")
+        stale = sorted({s.rfilename for s in before.siblings or []} - {p.name for p in folder.iterdir()}
+                       - {".gitattributes"})
+        if stale:
+            log.warning("%s also holds files this card does not describe: %s", cfg.repo_id, stale)
+        commit = api.upload_folder(repo_id=cfg.repo_id, folder_path=folder,
+                                   commit_message=f"GRPO adapter from MLflow run {cfg.grpo_run}",
+                                   commit_description=f"slmsql publish; evaluation runs: {','.join(cfg.eval_runs)}; "
+                                                      f"filter run: {cfg.filter_run or 'none'}")
+    except (HfHubHTTPError, httpx2.HTTPError, ValueError, OSError) as e:
+        raise SlmsqlError(f"pushing to {cfg.repo_id} failed: {e}") from None
+    new = commit.oid != before.sha
+    log.info("%s: %s %s", url, "new commit" if new else "unchanged, no commit; head is", commit.oid)
+    return {"hub_url": str(url), "hub_commit": commit.oid, "new_commit": new}

@@ -1,0 +1,57 @@
+"""The MLflow Model Registry side of publishing: a checked name, and a version of the GRPO run's adapter."""
+
+from __future__ import annotations
+
+import logging
+
+from .errors import SlmsqlError
+
+log = logging.getLogger(__name__)
+
+
+def registry_name(cfg) -> str | None:
+    """The registered model's name (None: skip the registry), checked with MLflow's own rules up front."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils import validation
+
+    name = cfg.registered_model or cfg.repo_id.split("/")[1]
+    if name.lower() == "none":
+        return None
+    try:
+        validation._validate_model_name(name)
+        if "'" in name:
+            raise MlflowException(f"Invalid model name {name!r}: no quotes")
+        if cfg.alias:
+            validation._validate_model_alias_name(cfg.alias)
+            validation._validate_model_alias_name_reserved(cfg.alias)
+    except MlflowException as e:
+        raise SlmsqlError(f"registry: {e.message}") from None
+    return name
+
+
+def register(name: str, cfg, hub: dict) -> dict:
+    """A registry version of the GRPO run's adapter (reused when this run was registered before), tagged and aliased.
+
+    `mlflow.register_model("runs:/<id>/adapter")` needs an MLflow model (MLmodel) there; the adapter is a plain
+    PEFT folder, so the version is created directly with that runs:/ URI as its source."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    source = f"runs:/{cfg.grpo_run}/adapter"
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    same = [v for v in client.search_model_versions(f"name='{name}'")
+            if v.run_id == cfg.grpo_run and v.source == source]
+    version = same[0] if same else client.create_model_version(name, source, run_id=cfg.grpo_run)
+    tags = {"hub_repo": cfg.repo_id, "hub_url": hub["hub_url"], "hub_commit": hub["hub_commit"],
+            "grpo_run": cfg.grpo_run, "eval_runs": ",".join(cfg.eval_runs), "filter_run": cfg.filter_run}
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version.version, key, value)
+    if cfg.alias:
+        client.set_registered_model_alias(name, cfg.alias, version.version)
+    log.info("registered %s version %s%s", name, version.version, f" as @{cfg.alias}" if cfg.alias else "")
+    return {"registered_model": name, "model_version": int(version.version)}

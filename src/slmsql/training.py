@@ -1,0 +1,142 @@
+"""What the training stages (sft, grpo) share: TRL config from a stage config, precision, LoRA, callbacks.
+
+TRL config rule (`trl_config`), in increasing precedence:
+1. the stage's own settings for TRL fields slmsql has no option for (e.g. SFT's cosine schedule, GRPO's
+   `save_strategy="steps"`, `gradient_checkpointing=False`, precision from the device);
+2. every field of the stage config that the TRL config class also has (`learning_rate`, `max_steps`, ...):
+   adding a TRL option to slmsql is one field in `configs.py`;
+3. `--trainer-args key=value` for any other TRL field: the command line wins over (1).
+A trainer arg that names an slmsql option (use the option: one value, one place) or a field slmsql must own
+(where outputs go, what reports where) is refused before any model loads, as is a field TRL does not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import SlmsqlError
+
+OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run name (--run-name)",
+         "report_to": "slmsql's own MLflow callback (report_to=mlflow would log ~224 params)",
+         "logging_dir": "the staging folder"}
+SUMMARY_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
+                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time")
+
+
+def device_args() -> dict:
+    """TRL configs default to bf16, which transformers refuses on a CPU: pick precision from the device."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
+
+
+def trl_config(trl_cls, cfg, work: Path, **stage_settings):
+    """Build `trl_cls` (GRPOConfig, SFTConfig) from a stage config by the rule in the module docstring."""
+    known = {f.name for f in dataclasses.fields(trl_cls)}
+    ours = {f.name for f in dataclasses.fields(cfg)}
+    extra = dict(cfg.trainer_args)
+    for key in extra:
+        if key in OWNED:
+            raise SlmsqlError(f"trainer_args: {key} is set by slmsql ({OWNED[key]})")
+        if key in ours:
+            raise SlmsqlError(f"trainer_args: {key} is an slmsql option; set it with --{key.replace('_', '-')}")
+        if key not in known:
+            raise SlmsqlError(f"trainer_args: {trl_cls.__name__} has no field {key!r}")
+    passed = {k: getattr(cfg, k) for k in ours & known if k not in OWNED}
+    passed = {k: (v if v != [] else None) for k, v in passed.items()}  # an empty list option means "TRL's default"
+    settings = {**device_args(), **stage_settings, **passed, **extra}
+    try:
+        return trl_cls(output_dir=str(work), report_to="none", **settings)
+    except (TypeError, ValueError) as e:
+        raise SlmsqlError(f"{trl_cls.__name__}: {e}") from None
+
+
+def lora_config(cfg):
+    from peft import LoraConfig
+
+    targets = "all-linear" if cfg.target_modules == ["all-linear"] else cfg.target_modules
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+
+
+def metrics_callback():
+    """A transformers callback logging the trainer's metrics to the active MLflow run, and nothing else:
+    `report_to="mlflow"` would also log ~224 params (every training argument and model-config field)."""
+    from transformers import TrainerCallback
+
+    from .tracking import metric_name, numeric
+
+    class MlflowMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            import mlflow
+
+            if state.is_world_process_zero and logs:
+                mlflow.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
+
+    return MlflowMetrics()
+
+
+def completions_logger(output_dir: Path, every: int):
+    """Ship TRL's per-step completions parquet to MLflow as a table every `every` steps.
+
+    TRL writes `completions/completions_<step>.parquet` only after the callbacks' on_log for that step, so
+    each on_log ships the files that exist by then (the last one at the end-of-training log). A `.logged`
+    marker keeps a resumed run from shipping a file twice: log_table appends to an existing artifact."""
+    from transformers import TrainerCallback
+
+    class CompletionsToMlflow(TrainerCallback):
+        def _ship(self, state):
+            import mlflow
+            import pandas as pd
+
+            if not state.is_world_process_zero:
+                return
+            for path in sorted((output_dir / "completions").glob("completions_*.parquet")):
+                step, marker = int(path.stem.rsplit("_", 1)[1]), path.with_suffix(".logged")
+                if step % every or marker.exists():
+                    continue
+                df = pd.read_parquet(path)
+                as_text = lambda v: v if isinstance(v, str) else json.dumps(  # noqa: E731
+                    v.tolist() if hasattr(v, "tolist") else v, default=str)  # chat turns arrive as arrays
+                df = df.assign(**{c: df[c].map(as_text) for c in ("prompt", "completion") if c in df})
+                mlflow.log_table(df, f"completions/step_{step:05d}.json")
+                marker.touch()
+
+        def on_log(self, args, state, control, **kwargs):
+            self._ship(state)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._ship(state)
+
+    return CompletionsToMlflow()
+
+
+def quiet_progress(trainer) -> None:
+    """Keep the trainer's progress bar but stop it printing every log dict to stdout (MLflow has them)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class BarOnly(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(BarOnly())
+
+
+def summary_metrics(log_history: list[dict]) -> dict:
+    """Means over the run of the signals that separate 'no gradient signal' from 'signal, no gain'."""
+    out = {}
+    for key in SUMMARY_KEYS:
+        vals = [h[key] for h in log_history if isinstance(h.get(key), (int, float))]
+        if vals:
+            out[f"summary/{key.replace('/', '_')}"] = sum(vals) / len(vals)
+    return out
+
+
+def last_checkpoint(work: Path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(work))
