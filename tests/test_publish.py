@@ -227,6 +227,7 @@ def test_card_states_the_runs_numbers(store, tmp_path):
     assert "| 4 / 5 |" in bird  # only GRPO right / only SFT right
     spider = next(line for line in results.splitlines() if line.startswith("| spider "))
     assert "82.0%" in spider and "83.0%" in spider and "+1.0" in spider
+    assert f"for the difference, {stats.DIFF_CI_METHOD}." in " ".join(results.split())  # what the runs computed
     details = section(card, "Training details")
     assert "r = 8, alpha = 16" in details and "adapters/sft" in details and "1e-05 (cosine schedule)" in details
     assert "2 h 42 min" in details and "40 of 40 planned" in details

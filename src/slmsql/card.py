@@ -205,6 +205,15 @@ def _start_label(runs: Runs) -> str:
     return "its baseline"
 
 
+def diff_ci_method(results: list[dict]) -> str:
+    """How the runs computed the interval of the difference: evaluations from before the exact interval carry
+    no `diff_ci_method` and used a paired percentile bootstrap."""
+    from .stats import DIFF_CI_METHOD
+
+    methods = sorted({r["cmp"].get("diff_ci_method", "paired bootstrap") for r in results if r["cmp"]})
+    return "; ".join(methods) or DIFF_CI_METHOD
+
+
 def context(runs: Runs, cfg) -> dict:
     grpo = runs.grpo
     p, tags, metrics = grpo.data.params, grpo.data.tags, grpo.data.metrics
@@ -235,6 +244,7 @@ def context(runs: Runs, cfg) -> dict:
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
         "start": start, "tldr": tldr(results, start, telemetry), "results": results,
         "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",
+        "diff_ci_method": diff_ci_method(results),
         "buckets": _buckets(runs.filter_summary), "filter_params": runs.filter.data.params if runs.filter else {},
         "telemetry": telemetry, "p": p, "lora": runs.adapter_config, "lora_targets": _targets(runs.adapter_config),
         "steps": metrics.get("steps"), "train_seconds": metrics.get("train_seconds"),

@@ -1,25 +1,39 @@
 """Statistics for execution accuracy (EX): what a difference between two runs on the same questions supports.
 
-Runs are compared *paired* (same questions), so the test is McNemar's on the discordant pairs and the
-interval is a paired bootstrap. Per-run accuracy gets a Wilson interval, which behaves at small n and near 0/1.
+Runs are compared *paired* (same questions). One comparison has one inference: McNemar's exact test and an
+interval of the EX difference from the same exact conditional model (Clopper-Pearson on the discordant pairs),
+so the interval excludes 0 exactly when the test rejects. Several training seeds against one baseline are
+pooled per question (`compare_seeds`). Per-run accuracy gets a Wilson interval, which behaves at small n and
+near 0/1.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
 from scipy.optimize import brentq
 from scipy.stats import norm
-from statsmodels.stats.contingency_tables import mcnemar
+from scipy.stats import t as student_t
 from statsmodels.stats.proportion import proportion_confint
 
 from slmsql.errors import SlmsqlError
 
+DIFF_CI_METHOD = ("exact conditional (Clopper-Pearson on the discordant pairs), consistent with McNemar's "
+                  "exact test")
+POOLED_METHOD = ("paired t-test on per-question differences (mean over seeds minus baseline), with the matching "
+                 "t interval")
+
 
 class StatsError(SlmsqlError, ValueError):
     """Input that no statistic can be computed from (empty, mismatched, counts out of range)."""
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0 < alpha < 1:
+        raise StatsError(f"alpha must lie strictly between 0 and 1, got {alpha}")
 
 
 def _check_counts(k: int, n: int, name: str = "k") -> None:
@@ -51,28 +65,95 @@ def paired_table(a: Sequence[bool], b: Sequence[bool]) -> dict:
             "only_b": int(np.sum(~a & b)), "both_wrong": int(np.sum(~a & ~b))}
 
 
-def mcnemar_exact(only_a: int, only_b: int) -> float:
+def _mcnemar_fraction(only_a: int, only_b: int) -> Fraction:
+    """Exact two-sided (doubled) McNemar p as a fraction: 2 P(X <= min) for X ~ Binomial(n_d, 1/2), capped at 1.
+
+    Exact arithmetic because the verdict compares p with alpha, and p can equal a dyadic alpha (1/16, 1/32)
+    exactly: there the interval's bound is exactly 0 and a rounded p must not tip the verdict.
+    """
     if only_a < 0 or only_b < 0:
         raise StatsError(f"discordant counts must be >= 0, got only_a={only_a}, only_b={only_b}")
-    if only_a + only_b == 0:
-        return 1.0  # the runs agree on every question: no evidence of any difference
-    return float(mcnemar([[0, only_a], [only_b, 0]], exact=True).pvalue)
+    n_d, m = only_a + only_b, min(only_a, only_b)
+    if n_d == 0 or 2 * m >= n_d:
+        return Fraction(1)  # no discordant pairs, or a perfect balance: no evidence of any difference
+    tail, c = 0, 1
+    for k in range(m + 1):  # sum of C(n_d, k), k = 0..m
+        tail += c
+        c = c * (n_d - k) // (k + 1)
+    return min(Fraction(1), Fraction(2 * tail, 2 ** n_d))
 
 
-def paired_bootstrap(a, b, n_boot: int = 10_000, seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
-    """Percentile CI of mean(a) - mean(b), resampling questions (pairs) jointly.
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    return float(_mcnemar_fraction(only_a, only_b))
 
-    Per-question differences take only the values +1 (only_a), -1 (only_b) and 0, so resampling n pairs
-    is exactly a multinomial draw of those three counts: O(n_boot) instead of an n_boot x n index matrix.
+
+def _agree(lo: float, hi: float, significant: bool, tol: float = 1e-9) -> tuple[float, float]:
+    """Make an interval agree with its own test where floating point put a bound on the wrong side of 0.
+
+    Mathematically the closed interval excludes 0 exactly when the test rejects; a bound that disagrees by more
+    than rounding is a bug, not a boundary case, and raises.
     """
-    t = paired_table(a, b)
-    n = sum(t.values())
-    p = np.array([t["only_a"], t["only_b"], t["both_right"] + t["both_wrong"]]) / n
-    counts = np.random.default_rng(seed).multinomial(n, p, size=n_boot)
-    diffs = (counts[:, 0] - counts[:, 1]) / n
-    tail = 100 * (1 - confidence) / 2
-    lo, hi = np.percentile(diffs, [tail, 100 - tail])
-    return float(lo), float(hi)
+    if significant and lo <= 0 <= hi:
+        if abs(lo) <= tol:
+            return math.ulp(0.0), hi
+        if abs(hi) <= tol:
+            return lo, -math.ulp(0.0)
+    elif not significant and not lo <= 0 <= hi:
+        if 0 < lo <= tol:
+            return 0.0, hi
+        if -tol <= hi < 0:
+            return lo, 0.0
+    else:
+        return lo, hi
+    raise AssertionError(f"interval [{lo}, {hi}] disagrees with the test (significant={significant})")
+
+
+def exact_paired(only_a: int, only_b: int, n: int, alpha: float = 0.05) -> dict:
+    """McNemar's exact test and the matching interval of the EX difference (only_a - only_b) / n.
+
+    Conditional on the n_d = only_a + only_b discordant pairs, only_a ~ Binomial(n_d, p), and the runs have
+    equal EX iff p = 1/2. The Clopper-Pearson interval [p_lo, p_hi] at confidence 1 - alpha maps to the
+    difference as n_d / n * (2 [p_lo, p_hi] - 1). p_lo > 1/2 iff P(X >= only_a | 1/2) < alpha/2 (and
+    likewise p_hi < 1/2 for the other tail), which is the doubled exact p below alpha: the interval excludes
+    0 exactly when p < alpha, and at p == alpha its bound is exactly 0 (not significant). There, the beta
+    quantiles can miss 1/2 by ~1e-15 (e.g. 11 vs 3), which `_agree` puts back on the test's side.
+    """
+    _check_alpha(alpha)
+    p = _mcnemar_fraction(only_a, only_b)
+    n_d = only_a + only_b
+    if not 0 <= n_d <= n:
+        raise StatsError(f"only_a + only_b = {n_d} is outside 0..n={n}")
+    significant = p < Fraction(alpha)
+    if n_d == 0:
+        lo = hi = 0.0
+    else:
+        p_lo, p_hi = proportion_confint(only_a, n_d, alpha=alpha, method="beta")
+        lo, hi = _agree(n_d / n * (2 * float(p_lo) - 1), n_d / n * (2 * float(p_hi) - 1), significant)
+    return {"p": float(p), "diff_ci_low": lo, "diff_ci_high": hi, "significant": significant}
+
+
+def paired_t(d: Sequence[float], alpha: float = 0.05) -> dict:
+    """One-sample t-test of mean(d) = 0 and the t interval of mean(d): one computation, so they agree.
+
+    The interval mean +- t_{1-alpha/2, n-1} se excludes 0 exactly when |t| > t_{1-alpha/2, n-1}, i.e. p < alpha.
+    When every d_i is equal (se = 0) the interval is that value and p is 1 (all zero) or 0.
+    """
+    _check_alpha(alpha)
+    d = np.asarray(d, dtype=float)
+    if d.ndim != 1 or d.size < 2:
+        raise StatsError(f"a t-test needs at least 2 questions, got {d.size}")
+    n, mean = d.size, float(d.mean())
+    se = float(d.std(ddof=1)) / math.sqrt(n)
+    if se == 0:
+        t_stat, p, lo, hi = (0.0 if mean == 0 else math.copysign(math.inf, mean)), float(mean == 0), mean, mean
+    else:
+        t_stat = mean / se
+        p = float(2 * student_t.sf(abs(t_stat), n - 1))
+        half = float(student_t.ppf(1 - alpha / 2, n - 1)) * se
+        lo, hi = mean - half, mean + half
+    significant = p < alpha
+    lo, hi = _agree(lo, hi, significant)
+    return {"mean": mean, "ci_low": lo, "ci_high": hi, "t": t_stat, "df": n - 1, "p": p, "significant": significant}
 
 
 def min_detectable_difference(n: int, p_base: float, discordance: float | None = None,
@@ -107,30 +188,63 @@ def min_detectable_difference(n: int, p_base: float, discordance: float | None =
     return float(brentq(lambda d: n_needed(d) - n, 1e-9, hi, xtol=1e-9))
 
 
-def verdict(p_value: float, diff: float, alpha: float = 0.05) -> str:
-    if p_value < alpha and diff != 0:
+def _verdict(significant: bool, diff: float) -> str:
+    if significant and diff != 0:
         return "improved" if diff > 0 else "regressed"
     return "no significant difference"
 
 
-def compare(a: Sequence[bool], b: Sequence[bool], alpha: float = 0.05, n_boot: int = 10_000, seed: int = 0) -> dict:
-    """Run `a` vs baseline `b` on the same questions, as a flat dict of numbers (MLflow metrics) plus `verdict`."""
+def verdict(p_value: float, diff: float, alpha: float = 0.05) -> str:
+    return _verdict(p_value < alpha, diff)
+
+
+def compare(a: Sequence[bool], b: Sequence[bool], alpha: float = 0.05) -> dict:
+    """Run `a` vs baseline `b` on the same questions, as a flat dict of numbers (MLflow metrics) plus `verdict`
+    and `diff_ci_method`. Test, interval and verdict come from one computation (`exact_paired`)."""
+    _check_alpha(alpha)
     t = paired_table(a, b)
     n = sum(t.values())
     k_a, k_b = t["both_right"] + t["only_a"], t["both_right"] + t["only_b"]
     conf = 1 - alpha
     (a_lo, a_hi), (b_lo, b_hi) = wilson(k_a, n, conf), wilson(k_b, n, conf)
-    d_lo, d_hi = paired_bootstrap(a, b, n_boot=n_boot, seed=seed, confidence=conf)
-    p = mcnemar_exact(t["only_a"], t["only_b"])
+    exact = exact_paired(t["only_a"], t["only_b"], n, alpha)
     disc = (t["only_a"] + t["only_b"]) / n
     diff = (k_a - k_b) / n
     return {
         "n": n, "ex_a": k_a / n, "ex_b": k_b / n,
         "ex_a_ci_low": a_lo, "ex_a_ci_high": a_hi, "ex_b_ci_low": b_lo, "ex_b_ci_high": b_hi,
-        "diff": diff, "diff_ci_low": d_lo, "diff_ci_high": d_hi, **t, "mcnemar_p": p,
+        "diff": diff, "diff_ci_low": exact["diff_ci_low"], "diff_ci_high": exact["diff_ci_high"],
+        "diff_ci_method": DIFF_CI_METHOD, **t, "mcnemar_p": exact["p"],
         # observed discordance when there is any; with none, fall back to the independence assumption
         "mdd": min_detectable_difference(n, k_b / n, disc or None, alpha=alpha),
-        "verdict": verdict(p, diff, alpha),
+        "verdict": _verdict(exact["significant"], diff),
+    }
+
+
+def compare_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: float = 0.05) -> dict:
+    """Several training seeds of one method vs ONE baseline run, all scored on the same questions.
+
+    The unit is the question: d_i = mean over seeds of correct[s][i] - baseline[i], tested with a one-sample
+    t-test on the d_i and the matching t interval (they agree by construction). Summing discordant pairs across
+    seeds into one McNemar test would treat the seeds' shared questions and shared baseline as independent
+    evidence: a question the baseline got wrong by luck counts once per seed, and the evidence is overstated.
+    With one seed this is the paired t-test, the large-sample counterpart of McNemar's test (`compare` is exact).
+    """
+    _check_alpha(alpha)
+    if len(runs) == 0:
+        raise StatsError("compare_seeds needs at least one seed's results, got none")
+    b = np.asarray(baseline, dtype=bool)
+    correct = np.stack([_paired(r, b)[0] for r in runs])  # (seeds, questions); each checked against the baseline
+    ex = correct.mean(axis=1)
+    test = paired_t(correct.mean(axis=0) - b, alpha)
+    return {
+        "n": int(b.size), "seeds": len(runs), "ex_seeds": [float(x) for x in ex], "ex_mean": float(ex.mean()),
+        # between-seed spread; the sd is undefined (nan) for a single seed
+        "ex_sd": float(ex.std(ddof=1)) if len(runs) > 1 else math.nan,
+        "ex_min": float(ex.min()), "ex_max": float(ex.max()), "ex_b": float(b.mean()),
+        "diff": test["mean"], "diff_ci_low": test["ci_low"], "diff_ci_high": test["ci_high"],
+        "t": test["t"], "df": test["df"], "p": test["p"], "method": POOLED_METHOD,
+        "verdict": _verdict(test["significant"], test["mean"]),
     }
 
 

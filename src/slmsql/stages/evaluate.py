@@ -76,7 +76,7 @@ def main(cfg: EvaluateConfig) -> dict:
         comparison = None
         if baseline is not None:
             comparison = stats.compare([r["correct"] for r in results], [baseline[r["id"]] for r in results],
-                                       alpha=cfg.alpha, seed=cfg.seed)
+                                       alpha=cfg.alpha)
             metrics["comparison"] = {"baseline_run": cfg.baseline_run, **comparison}
             mlflow.log_metrics({f"vs_baseline_{k}": v for k, v in tracking.numeric(comparison).items()})
             mlflow.set_tags({"slmsql.baseline_run": cfg.baseline_run, "slmsql.verdict": comparison["verdict"]})
