@@ -90,9 +90,10 @@ def wait_until(check, proc: subprocess.Popen, log: Path, what: str, timeout_s: f
 @contextlib.contextmanager
 def postgres(root: Path):
     """initdb into a fresh folder and run `postgres` on 127.0.0.1:<free port> (password auth over TCP);
-    yields psycopg2 connection arguments for the database DB. Stopped with `pg_ctl stop -m fast`."""
+    yields (psycopg2 connection arguments for the database DB, the process, `SELECT version()`).
+    Stopped with `pg_ctl stop -m fast`."""
     try:
-        import psycopg2  # also what `mlflow server` needs for a postgresql:// store
+        import psycopg2  # also the driver `mlflow server` uses for the postgresql+psycopg2:// store
     except ImportError:
         unavailable("psycopg2 is not installed (pip install -e '.[test]')")
     bindir = pg_bindir()
