@@ -35,3 +35,42 @@ def test_example_predictions_score_with_every_status(tmp_path):
     assert rows["q10"]["status"] == "missing"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n"] == 10 and metrics["ex"] == sum(r["correct"] for r in rows.values()) / 10
+
+
+def test_server_store_is_a_sqlite_file_or_a_uri_as_given(tmp_path, monkeypatch):
+    from slmsql.tracking import server_command
+
+    monkeypatch.chdir(tmp_path)
+    cmd = server_command("127.0.0.1", 5000, "store.db", Path("art"))
+    assert cmd[cmd.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path.resolve()}/store.db"
+    pg = "postgresql+psycopg2://u:p@127.0.0.1:5432/mlflow"
+    cmd = server_command("127.0.0.1", 5000, pg, Path("art"))
+    assert cmd[cmd.index("--backend-store-uri") + 1] == pg
+    assert cmd[cmd.index("--artifacts-destination") + 1] == str(tmp_path.resolve() / "art")
+
+
+def test_server_cli_passes_backend_store_uri(monkeypatch):
+    import signal
+
+    from slmsql import tracking
+
+    seen = {}
+
+    class Exited:  # stands in for the server process: already finished, so the CLI returns at once
+        def wait(self, timeout=None):
+            return 0
+
+    def fake_start(host, port, store, artifacts):
+        seen["store"] = store
+        return Exited(), f"http://{host}:{port}"
+
+    monkeypatch.setattr(tracking, "start_server", fake_start)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        pg = "postgresql+psycopg2://u:p@127.0.0.1:5432/mlflow"
+        assert CliRunner().invoke(main, ["server", "--backend-store-uri", pg]).exit_code == 0
+        assert seen["store"] == pg
+        assert CliRunner().invoke(main, ["server", "--store", "x.db"]).exit_code == 0
+        assert seen["store"] == "x.db"
+    finally:
+        signal.signal(signal.SIGTERM, before)  # the CLI maps SIGTERM to Ctrl-C; not for pytest itself

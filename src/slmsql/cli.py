@@ -96,18 +96,26 @@ def mlproject_cmd():
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface (loopback by default).")
 @click.option("--port", default=5000, show_default=True, type=int)
 @click.option("--store", default="mlflow-server.db", show_default=True, help="SQLite backend store file.")
+@click.option("--backend-store-uri", default=None,
+              help="Backend store URI instead of --store, e.g. postgresql+psycopg2://user:pw@host:5432/mlflow.")
 @click.option("--artifacts", default="mlartifacts", show_default=True, help="Served artifact folder.")
-def server_cmd(host, port, store, artifacts):
+def server_cmd(host, port, store, backend_store_uri, artifacts):
     """Start a real `mlflow server` (served artifacts, no job runner) and keep it in the foreground."""
+    import signal
+
     from .tracking import start_server
 
-    proc, uri = start_server(host, port, store, artifacts)
+    proc, uri = start_server(host, port, backend_store_uri or store, artifacts)
     click.echo(f"MLflow server ready. In other shells:\n  export MLFLOW_TRACKING_URI={uri}\n"
                f"UI: {uri}   (Ctrl-C stops it)")
+    # SIGTERM (a service manager, `kill`) stops the server like Ctrl-C: otherwise this process dies alone and
+    # leaves `mlflow server` and its uvicorn worker running, still holding the port.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
+        proc.wait(timeout=60)
 
 
 @main.command("runs")

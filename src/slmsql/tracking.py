@@ -113,19 +113,29 @@ def metric_name(key: str) -> str:
     return re.sub(r"_+", "_", re.sub(r"[^\w./-]", "_", key)).strip("_")
 
 
-def server_command(host: str, port: int, store: Path, artifacts: Path) -> list[str]:
+def backend_store_uri(store) -> str:
+    """`store` as an MLflow backend store URI: a URI (postgresql://..., mysql://..., sqlite:///...) is kept
+    as given; anything else is a SQLite file, made absolute so the server finds it whatever its cwd."""
+    store = str(store)
+    if "://" in store:
+        return store
+    return f"sqlite:///{Path(store).resolve()}"
+
+
+def server_command(host: str, port: int, store, artifacts: Path) -> list[str]:
     """A real `mlflow server` on loopback with served artifacts, and without the job runner (which would
-    start 7 more workers and ~2 GB for features slmsql does not use)."""
+    start 7 more workers and ~2 GB for features slmsql does not use). `store`: a SQLite file or a URI."""
     import sys
 
     return [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{Path(store).resolve()}",
+            "--backend-store-uri", backend_store_uri(store),
             "--serve-artifacts", "--artifacts-destination", str(Path(artifacts).resolve()), "--workers", "1"]
 
 
 def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifacts="mlartifacts",
                  timeout_s: float = 60, log_file=None):
-    """Start the server, wait until /health answers, return (process, uri). `port=0` picks a free port."""
+    """Start the server, wait until /health answers, return (process, uri). `port=0` picks a free port.
+    `store` is a SQLite file or a backend store URI (e.g. postgresql://user:pw@host:port/db)."""
     import socket
     import subprocess
     import time
@@ -137,7 +147,7 @@ def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifact
 
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen(server_command(host, port, Path(store), Path(artifacts)), env=env,
+    proc = subprocess.Popen(server_command(host, port, store, Path(artifacts)), env=env,
                             stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
     uri = f"http://{host}:{port}"
     deadline = time.time() + timeout_s
