@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import stats
 from .configs import EvaluateConfig
-from .data import check_databases, read_gold, read_jsonl, write_jsonl
+from .data import check_databases, read_gold, read_jsonl, safe_text, write_json, write_jsonl
 from .errors import DataError, SlmsqlError
 from .outputs import check_free, staged
 from .sandbox import Limits, SandboxPool
@@ -133,7 +133,7 @@ def main(cfg: EvaluateConfig) -> dict:
         if missing:
             log.warning("%d gold examples have no prediction; scored wrong", missing)
         write_jsonl(work / "results.jsonl", results)
-        (work / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_json(work / "metrics.json", metrics)
         mlflow.log_metrics(tracking.numeric(metrics))
         mlflow.log_figure(ex_figure(metrics, comparison, cfg.run_name or "this run"), "ex_intervals.png")
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
@@ -143,5 +143,5 @@ def main(cfg: EvaluateConfig) -> dict:
                 mlflow.log_artifact(str(work / name))
         import pandas as pd
 
-        mlflow.log_table(pd.DataFrame(results).astype({"pred_ms": "float64"}), "results_table.json")
+        mlflow.log_table(pd.DataFrame(safe_text(results)).astype({"pred_ms": "float64"}), "results_table.json")
     return metrics

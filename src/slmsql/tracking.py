@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .data import write_json
 from .errors import SlmsqlError
 
 DEFAULT_URI = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working folder
@@ -67,14 +68,14 @@ def resume_state(work: Path, identity: dict) -> str | None:
     state = work / "resume_state.json"
     if not state.exists():
         return None
-    saved = json.loads(state.read_text())
+    saved = json.loads(state.read_text(encoding="utf-8"))
     if saved["identity"] != json.loads(json.dumps(identity, default=str)):
         raise SlmsqlError(f"{work} holds an unfinished run with other parameters; delete it to start over")
     return saved["run_id"]
 
 
 def save_resume_state(work: Path, identity: dict, run_id: str) -> None:
-    (work / "resume_state.json").write_text(json.dumps({"identity": identity, "run_id": run_id}, default=str))
+    write_json(work / "resume_state.json", {"identity": identity, "run_id": run_id}, default=str)
 
 
 def log_json(obj, artifact_file: str) -> None:
@@ -82,7 +83,7 @@ def log_json(obj, artifact_file: str) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / Path(artifact_file).name
-        p.write_text(json.dumps(obj, indent=2, default=str))
+        write_json(p, obj, default=str)
         mlflow.log_artifact(str(p), str(Path(artifact_file).parent) if "/" in artifact_file else None)
 
 
