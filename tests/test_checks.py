@@ -137,6 +137,15 @@ def test_failure_examples_name_the_row_and_the_value(tmp_path, world):
     assert "pass_rate_in_band" in msg and "'q0'" in msg and "gold_executes" in msg
 
 
+def test_db_id_that_is_a_path_fails_database_exists(tmp_path, world):
+    band = copy.deepcopy(world["band"])
+    band[2]["db_id"] = "../dbs/shop"
+    report = rl(write(tmp_path, world, band), world)
+    assert failed(report) == {"database_exists", "gold_executes"}
+    (ex,) = {r["expectation"]: r for r in report.results}["database_exists"]["examples"]
+    assert ex["id"] == "q2" and "'../dbs/shop' is not a database name" in ex["detail"]
+
+
 def test_band_file_without_pass_rate_fails_instead_of_crashing(tmp_path, world):
     band = [{k: v for k, v in r.items() if k not in ("pass_rate", "k", "n_correct")} for r in world["band"]]
     report = checks.validate("rl", write(tmp_path, world, band)["band"], world["dbs"])

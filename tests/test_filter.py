@@ -258,3 +258,38 @@ def test_filter_empty_source(policy, tmp_path):
     assert result.exit_code == 2, result.output
     assert "empty.jsonl" in result.output and "empty" in result.output.split("empty.jsonl", 1)[1]
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+# ---- text UTF-8 cannot encode ---------------------------------------------------------------------------
+
+ODD = "\ud800"  # a lone surrogate: what a JSON "\ud800" escape decodes to; UTF-8 has no bytes for it
+
+
+def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
+    """Completions and gold text holding a lone surrogate: the run finishes and every file reads back.
+
+    (Completion text alone never reaches a filter file, only its status; the gold row does, in band.jsonl.)"""
+    from slmsql import generation, models
+    from slmsql.data import read_jsonl
+
+    gold = "SELECT name FROM item WHERE kind = 'office'"
+    question = f"Office items {ODD}?"
+    data = tmp_path / "source.jsonl"  # raw JSON text: the escape, as a user's file would carry it
+    data.write_text(json.dumps({"id": "q1", "db_id": "shop", "question": question, "sql": gold}) + "\n")
+    assert "\\ud800" in data.read_text()
+
+    def complete(cfg, examples, policy, *, k, **_):  # half right: the question lands in the band
+        return [[f"```sql\n{gold}\n```", f"```sql\nSELECT '{ODD}'\n```"] * (k // 2) for _ in examples]
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(generation, "complete", complete)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["filter", "--data", str(data), "--db-root", str(shop), "--model", "unused",
+                                      "--output-dir", str(out), "--k", "4", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    (rate,) = read_jsonl(out / "passrates.jsonl")
+    assert (rate["bucket"], rate["n_correct"], rate["statuses"]) == ("band", 2, ["correct", "error"] * 2)
+    (row,) = read_jsonl(out / "band.jsonl")
+    assert row["question"] == question  # the exact string, lone surrogate included
+    (run,) = mlflow.search_runs(experiment_names=["slmsql"], output_format="list")
+    assert run.info.status == "FINISHED" and run.data.metrics["data_check_success"] == 1.0

@@ -239,3 +239,55 @@ def test_missing_baseline_run_is_refused(policy, tmp_path, no_generation):
     assert result.exit_code == 2, result.output
     assert "baseline run '0123456789abcdef0123456789abcdef' does not exist" in result.output
     assert not (tmp_path / "out").exists()
+
+
+# ---- bad or odd input, no model needed -------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def test_prediction_utf8_cannot_encode_is_scored_and_written(tmp_path):
+    """A lone surrogate (a JSON "\\ud800" escape) in a prediction: scored, written exactly, run exit 0."""
+    from slmsql.data import read_jsonl
+
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text('{"id": "q1", "sql": "SELECT \'\\ud800\'"}\n{"id": "q2", "sql": "SELECT 1"}\n')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["evaluate", "--data", str(EXAMPLES / "gold.jsonl"), "--db-root",
+                                      str(EXAMPLES / "databases"), "--predictions", str(preds), "--output-dir",
+                                      str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in read_jsonl(out / "results.jsonl")}
+    assert len(rows) == 10 and rows["q3"]["status"] == "missing"
+    q1 = rows["q1"]
+    assert q1["pred_sql"] == "SELECT '\ud800'"  # the same Python string that was read
+    assert (q1["correct"], q1["status"]) == (False, "error") and "surrogates not allowed" in q1["error"]
+    assert json.loads((out / "metrics.json").read_text())["n"] == 10
+    (run,) = mlflow.search_runs(experiment_names=["slmsql"], output_format="list")
+    table = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id,
+                                                                artifact_path="results_table.json")).read_text())
+    col = table["columns"].index("pred_sql")
+    assert [r[col] for r in table["data"] if r[0] == "q1"] == ["SELECT '\ufffd'"]  # display copy: replaced
+
+
+def test_db_id_outside_db_root_is_refused(tmp_path):
+    """`../../x` is a path, not a database name: refused at its line, even when that path holds a database."""
+    import shutil
+
+    root = tmp_path / "r1" / "r2" / "dbs"
+    root.mkdir(parents=True)
+    (tmp_path / "r1" / "x").mkdir()  # root/../../x/../../x.sqlite is tmp_path/x.sqlite
+    shutil.copy(EXAMPLES / "databases" / "shop" / "shop.sqlite", tmp_path / "x.sqlite")
+    (root / "shop").mkdir()
+    shutil.copy(EXAMPLES / "databases" / "shop" / "shop.sqlite", root / "shop" / "shop.sqlite")
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"id": "a", "db_id": "shop", "question": "q", "sql": "SELECT 1"}\n'
+                    '{"id": "b", "db_id": "../../x", "question": "q", "sql": "SELECT 1"}\n')
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text('{"id": "a", "sql": "SELECT 1"}\n{"id": "b", "sql": "SELECT 1"}\n')
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["evaluate", "--data", str(data), "--db-root", str(root), "--predictions",
+                                      str(preds), "--output-dir", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"{data}:2: field 'db_id': " in result.output and "'../../x'" in result.output
+    assert not out.exists() and not out.with_name("out.partial").exists()

@@ -1,13 +1,18 @@
 """Gold data: the canonical JSONL, plus BIRD's and Spider's dev.json read natively.
 
 Canonical line: {"id", "db_id", "question", "sql", "evidence"?, "difficulty"?, ...extra}.
-Databases live at <db_root>/<db_id>/<db_id>.sqlite, the layout both benchmarks ship.
+Databases live at <db_root>/<db_id>/<db_id>.sqlite, the layout both benchmarks ship; a db_id is a name,
+never a path (`db_id_problem`).
+
+Every JSON and JSONL file slmsql writes goes through `dumps` (see there for the one rule on text UTF-8
+cannot encode); tables shown in MLflow go through `safe_text`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +49,8 @@ def _from_record(rec, path, line: int | None) -> Example:
     for name in ("db_id", "question", "sql"):
         if not isinstance(rec[name], str):
             raise DataError(f"must be a string, got {type(rec[name]).__name__}", path, line, name)
+    if why := db_id_problem(rec["db_id"]):
+        raise DataError(why, path, line, "db_id")
     extra = {k: v for k, v in rec.items() if k not in (*REQUIRED, "evidence", "difficulty")}
     return Example(str(rec["id"]), rec["db_id"], rec["question"], rec["sql"],
                    rec.get("evidence") or None, rec.get("difficulty"), extra)
@@ -102,7 +109,19 @@ def read_gold(path) -> list[Example]:
     return examples
 
 
+def db_id_problem(db_id) -> str | None:
+    """Why `db_id` cannot name a database, or None. A db_id is joined into a path under --db-root, so it must
+    be a plain name: non-empty, no '/' or '\\', not '.' or '..', no NUL (`../../x` would look outside)."""
+    if not isinstance(db_id, str) or not db_id.strip():
+        return f"db_id {db_id!r} is not a database name: empty or not a string"
+    if "/" in db_id or "\\" in db_id or "\0" in db_id or db_id in (".", ".."):
+        return f"db_id {db_id!r} is not a database name: no '/', '\\', NUL, '.' or '..'"
+    return None
+
+
 def db_path(db_root, db_id: str) -> Path:
+    if why := db_id_problem(db_id):  # read_gold refuses these already; this guards every other caller
+        raise DataError(why, field="db_id")
     return Path(db_root) / db_id / f"{db_id}.sqlite"
 
 
@@ -139,14 +158,57 @@ def read_predictions(path, gold_ids: set[str]) -> dict[str, dict]:
     return preds
 
 
-def write_jsonl(path, rows) -> None:
-    """Write atomically: a crash never leaves a half-written file under the final name."""
+# ---- writing JSON ------------------------------------------------------------------------------------
+# Python strings may hold lone surrogates (U+D800..U+DFFF): a JSON "\ud800" escape in a gold or predictions
+# file decodes to one, and so does an undecodable byte under surrogateescape (argv, file names). UTF-8 has
+# no bytes for them, so `json.dumps(..., ensure_ascii=False)` written as UTF-8 raises UnicodeEncodeError,
+# at the end of a run, after everything was scored.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def dumps(obj, **kwargs) -> str:
+    """JSON text that always encodes as UTF-8 and reads back (json.loads, read_jsonl, read_gold) as the
+    same Python strings. The one rule for every JSON and JSONL file slmsql writes:
+
+    text is written as UTF-8 as it is (readable; byte-identical to `json.dumps(ensure_ascii=False)` for any
+    text UTF-8 can encode), and each lone surrogate, the only thing it cannot, as its JSON escape `\\udXXX`,
+    which json.loads turns back into the same code unit. Outside string literals json.dumps writes only ASCII,
+    and it escapes backslashes, so a raw surrogate in its output is always a whole character inside a string.
+    One limit, JSON's own: a high and a low surrogate held as two code units next to each other read back
+    as the one character they encode (JSON cannot tell the two apart)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(obj, ensure_ascii=False, **kwargs))
+
+
+def safe_text(value):
+    """A copy of `value` (a string, or dicts/lists/tuples holding strings) with each lone surrogate replaced
+    by U+FFFD, for what must encode and is never read back as data: MLflow tables and dataset digests,
+    Markdown reports, and pandas frames (pandas 3 keeps text in Arrow, which refuses lone surrogates:
+    `pd.DataFrame` of such a string raises). The exact text stays in the JSON and JSONL files."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {safe_text(k): safe_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(safe_text(v) for v in value)
+    return value
+
+
+def _write_atomic(path, chunks) -> None:
+    """A crash never leaves a half-written file under the final name."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row.to_json() if isinstance(row, Example) else row, ensure_ascii=False) + "\n")
+        f.writelines(chunks)
     os.replace(tmp, path)
+
+
+def write_jsonl(path, rows) -> None:
+    _write_atomic(path, (dumps(r.to_json() if isinstance(r, Example) else r) + "\n" for r in rows))
+
+
+def write_json(path, obj, **kwargs) -> None:
+    """One JSON document, indented (summary.json, metrics.json, ...); kwargs go to json.dumps (e.g. default)."""
+    _write_atomic(path, [dumps(obj, indent=2, **kwargs) + "\n"])
 
 
 def read_jsonl(path) -> list[dict]:

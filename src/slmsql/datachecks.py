@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .data import native_record, db_path, read_jsonl
+from .data import db_id_problem, db_path, native_record, read_jsonl, safe_text
 from .errors import DataError, SlmsqlError
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def rows_frame(path, columns: dict):
     import pandas as pd
 
     pairs = _records(path)
-    df = pd.DataFrame([rec for _, rec in pairs])
+    df = pd.DataFrame([safe_text(rec) for _, rec in pairs])  # pandas' Arrow text refuses lone surrogates
     for name in [*columns.get("required", []), *columns.get("optional", [])]:
         # An empty file gets the required columns so only `not_empty` fails; optional ones may be absent.
         if name not in df.columns and (not pairs or name in columns.get("optional", [])):
@@ -169,6 +169,9 @@ def _db_exists(df, ctx):
         if db_id not in cache:
             if db_id is None or not db_id.strip():
                 cache[db_id] = (False, "no db_id")
+                continue
+            if why := db_id_problem(db_id):  # a path, not a name: reported here, never looked up
+                cache[db_id] = (False, why)
                 continue
             p = db_path(ctx["db_root"], db_id)
             if not p.is_file():

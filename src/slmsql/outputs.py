@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .data import write_json
 from .errors import SlmsqlError
 
 STATE = "resume_state.json"
@@ -54,7 +55,7 @@ class Staged:
         self.work.mkdir(parents=True, exist_ok=True)
         state = self.work / STATE
         if self.resumable and state.exists():
-            saved = json.loads(state.read_text())
+            saved = json.loads(state.read_text(encoding="utf-8"))
             if saved["identity"] != self.identity:
                 raise SlmsqlError(f"{self.work} holds an unfinished run with other parameters; delete it to start over")
             self.run_id = saved["run_id"]
@@ -63,7 +64,7 @@ class Staged:
     def bind(self, run_id: str) -> None:
         """Record the MLflow run doing this work, so a rerun after a crash continues it."""
         if self.resumable:
-            (self.work / STATE).write_text(json.dumps({"identity": self.identity, "run_id": run_id}))
+            write_json(self.work / STATE, {"identity": self.identity, "run_id": run_id})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:

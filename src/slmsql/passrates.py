@@ -41,7 +41,7 @@ def load_finished(path: Path, examples) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .data import write_json
 from .errors import SlmsqlError
 
 DEFAULT_URI = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working folder
@@ -94,7 +94,7 @@ def log_json(obj, artifact_file: str) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / Path(artifact_file).name
-        p.write_text(json.dumps(obj, indent=2, default=str))
+        write_json(p, obj, default=str)
         mlflow.log_artifact(str(p), str(Path(artifact_file).parent) if "/" in artifact_file else None)
 
 

@@ -5,14 +5,13 @@ args -> gold data -> predictions (file, or greedy generation) -> sandboxed scori
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from pathlib import Path
 
 from .. import stats
 from ..configs import EvaluateConfig
-from ..data import check_databases, read_gold, read_jsonl, read_predictions, write_jsonl
+from ..data import check_databases, read_gold, read_jsonl, read_predictions, safe_text, write_json, write_jsonl
 from ..errors import DataError, SlmsqlError
 from ..figures import ex_figure
 from ..outputs import Staged
@@ -86,7 +85,7 @@ def main(cfg: EvaluateConfig) -> dict:
         if missing:
             log.warning("%d gold examples have no prediction; scored wrong", missing)
         write_jsonl(work / "results.jsonl", results)
-        (work / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_json(work / "metrics.json", metrics)
         mlflow.log_metrics(tracking.numeric(metrics))
         mlflow.log_figure(ex_figure(metrics, comparison, cfg.run_name or "this run"), "ex_intervals.png")
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
@@ -96,5 +95,5 @@ def main(cfg: EvaluateConfig) -> dict:
                 mlflow.log_artifact(str(work / name))
         import pandas as pd
 
-        mlflow.log_table(pd.DataFrame(results).astype({"pred_ms": "float64"}), "results_table.json")
+        mlflow.log_table(pd.DataFrame(safe_text(results)).astype({"pred_ms": "float64"}), "results_table.json")
     return metrics

@@ -14,7 +14,7 @@ import logging
 import os
 
 from ..configs import FilterConfig
-from ..data import db_path, read_gold, write_jsonl
+from ..data import db_path, dumps, read_gold, safe_text, write_json, write_jsonl
 from ..errors import DataError, SlmsqlError
 from ..outputs import Staged
 from ..figures import histogram_figure
@@ -55,7 +55,7 @@ def main(cfg: FilterConfig) -> dict:
         done = load_finished(work / "passrates.jsonl", examples)
         bar = tqdm(total=len(examples), initial=len(done), desc="filter", unit="q")
         with SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool, \
-                open(work / "passrates.jsonl", "a") as sink:
+                open(work / "passrates.jsonl", "a", encoding="utf-8") as sink:
             for start in range(len(done), len(examples), CHUNK):
                 chunk = examples[start:start + CHUNK]
                 have_db = [e for e in chunk if db_path(cfg.db_root, e.db_id).is_file()]
@@ -78,7 +78,7 @@ def main(cfg: FilterConfig) -> dict:
                     rows.append({**row, "n_correct": n, "pass_rate": n / cfg.k,
                                  "bucket": bucket(n, cfg.k, cfg.low, cfg.high),
                                  "statuses": [("correct" if o.correct else o.status) for o in outs]})
-                sink.write("".join(json.dumps(r) + "\n" for r in rows))
+                sink.write("".join(dumps(r) + "\n" for r in rows))
                 sink.flush()
                 os.fsync(sink.fileno())
                 done += rows
@@ -91,7 +91,7 @@ def main(cfg: FilterConfig) -> dict:
         band = [{**e.to_json(), "pass_rate": by_id[e.id]["pass_rate"], "k": cfg.k,
                  "n_correct": by_id[e.id]["n_correct"]} for e in examples if by_id[e.id]["bucket"] == "band"]
         write_jsonl(work / "band.jsonl", band)
-        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(work / "summary.json", summary)
         b = summary["buckets"]
         mlflow.log_metrics({"n_source": len(done), "band": b["band"], "all_fail": b["all_fail"],
                             "all_pass": b["all_pass"], "out_of_band": sum(b["out_of_band"].values()),
@@ -101,7 +101,7 @@ def main(cfg: FilterConfig) -> dict:
         for name in ("band.jsonl", "passrates.jsonl", "summary.json"):
             mlflow.log_artifact(str(work / name))
         if band:
-            mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame(band), source=str(out / "band.jsonl"),
+            mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame(safe_text(band)), source=str(out / "band.jsonl"),
                                                      name="rl_band"), context="output")
         report = datachecks.run_rl_check(work / "band.jsonl", cfg.db_root, work / "summary.json", cfg.low, cfg.high)
         tracking.log_json(report.to_json(), "data_check/rl.json")

@@ -14,7 +14,7 @@ import logging
 import time
 
 from ..configs import GRPOStageConfig
-from ..data import db_path, read_gold
+from ..data import db_path, read_gold, write_json
 from ..errors import SlmsqlError
 from ..outputs import Staged
 
@@ -97,12 +97,12 @@ def main(cfg: GRPOStageConfig) -> dict:
         final = work / "adapter"
         trainer.model.save_pretrained(final)
         tokenizer.save_pretrained(final)
-        (final / "slmsql_grpo_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
         summary = {**training.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step}
         mlflow.log_metrics(summary)
         mlflow.log_artifacts(str(final), "adapter")
-        (work / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(work / "summary.json", summary)
         mlflow.log_artifact(str(work / "summary.json"))
     log.info("GRPO done: %s", json.dumps(summary))
     return summary

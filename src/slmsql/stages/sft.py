@@ -6,12 +6,11 @@ args -> data -> model -> trainer -> save. The output folder is a loadable policy
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 from ..configs import SFTStageConfig
-from ..data import check_databases, read_gold
+from ..data import check_databases, read_gold, write_json
 from ..errors import SlmsqlError
 from ..outputs import Staged
 from ..prompts import answer, builder_for
@@ -74,7 +73,7 @@ def main(cfg: SFTStageConfig) -> dict:
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step, "examples": len(examples),
                    "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
-        (work / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+        write_json(work / "sft_summary.json", summary)
         mlflow.log_metrics(tracking.numeric(summary))
         mlflow.set_tag("slmsql.policy_kind", summary["kind"])
         for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..configs import TinyModelConfig
-from ..data import read_gold
+from ..data import read_gold, write_json
 from ..errors import SlmsqlError
 from ..outputs import Staged
 from ..prompts import answer, builder_for
@@ -56,7 +56,7 @@ def main(cfg: TinyModelConfig) -> dict:
         info = {"parameters": n_params, "vocab_size": config["vocab_size"], "texts": len(texts),
                 "build_seconds": time.time() - t0}
         mlflow.log_metrics(info)
-        (work / "tiny_model.json").write_text(json.dumps(info, indent=2))
+        write_json(work / "tiny_model.json", info)
         mlflow.log_artifacts(str(work), "model")
     log.info("tiny model: %d parameters, vocab %d -> %s", n_params, info["vocab_size"], cfg.output_dir)
     return info

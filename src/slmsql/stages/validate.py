@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+from ..data import safe_text, write_json
 from ..datachecks import Report, validate
 from ..errors import SlmsqlError
 from ..outputs import Staged
@@ -26,8 +25,8 @@ def main(cfg) -> Report:
     with tracking.stage_run("validate", cfg, tags={"slmsql.validate.kind": cfg.kind,
                                                    "slmsql.validate.success": str(report.success).lower()}):
         with st:
-            (st.work / "validation.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-            (st.work / "validation.md").write_text(report.to_markdown())
+            write_json(st.work / "validation.json", report.to_json(), default=str)
+            (st.work / "validation.md").write_text(safe_text(report.to_markdown()), encoding="utf-8")
         for name in ("validation.json", "validation.md"):
             mlflow.log_artifact(str(st.out / name))
         mlflow.log_metrics({"n_expectations": len(report.results), "n_failed": len(report.failed),
