@@ -239,9 +239,9 @@ def wide_db(tmp_path):
     p = db_path(tmp_path, "wide")
     p.parent.mkdir(parents=True)
     con = sqlite3.connect(p)
-    con.executescript("".join(
+    con.executescript("BEGIN;" + "".join(  # one transaction: 200 commits would cost seconds
         f"CREATE TABLE measurement_{i:03d} (measurement_id INTEGER PRIMARY KEY, station_name TEXT, "
-        f"recorded_value REAL, recorded_on DATE);" for i in range(200)))
+        f"recorded_value REAL, recorded_on DATE);" for i in range(200)) + "COMMIT;")
     con.close()
     return p
 
