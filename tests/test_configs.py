@@ -62,9 +62,60 @@ def test_cli_missing_required_exits_nonzero():
     assert "--db-root" in result.output
 
 
-def test_cli_bool_flag_forms():
-    cfg = configs.load(configs.ToyConfig, None, {"overwrite": True})
-    assert cfg.overwrite is True
+@pytest.fixture
+def grpo_config(monkeypatch):
+    """Run the real `slmsql grpo` command line; return the config that reaches the stage (which does not run)."""
+    import importlib
+
+    from slmsql import cli
+
+    module, fn = cli.ENTRY["grpo"].split(":")
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), fn, seen.append)  # the CLI looks it up at call time
+
+    def invoke(*argv):
+        result = CliRunner().invoke(main, ["grpo", *argv])
+        assert result.exit_code == 0, result.output
+        (cfg,) = seen[-1:]
+        seen.clear()
+        return cfg
+
+    return invoke
+
+
+# `resume` defaults to False, `use_lora` to True: each form must be able to move each away from its default.
+@pytest.mark.parametrize("argv, resume, use_lora", [
+    ([], False, True),
+    (["--resume"], True, True),  # bare flag, last on the line
+    (["--resume", "--use-lora", "false"], True, False),  # bare flag followed by another option
+    (["--use-lora", "false", "--resume"], True, False),
+    (["--resume", "true", "--use-lora", "true"], True, True),
+    (["--resume", "false", "--use-lora", "false"], False, False),
+    (["--resume", "TRUE", "--use-lora", "0"], True, False),  # click's BOOL spellings
+    (["--resume", "yes", "--use-lora", "no"], True, False),
+])
+def test_cli_bool_flag_forms(grpo_config, argv, resume, use_lora):
+    cfg = grpo_config(*argv)
+    assert (cfg.resume, cfg.use_lora) == (resume, use_lora)
+    assert type(cfg.resume) is bool and type(cfg.use_lora) is bool
+
+
+def test_cli_bool_flag_against_a_recipe(grpo_config, tmp_path, monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("resume: true\nuse_lora: false\n")
+    assert (lambda c: (c.resume, c.use_lora))(grpo_config("--recipe", str(recipe))) == (True, False)
+    # on the plain command line an explicit value wins, even when it equals the default ...
+    cfg = grpo_config("--recipe", str(recipe), "--resume", "false", "--use-lora")
+    assert (cfg.resume, cfg.use_lora) == (False, True)
+    # ... while under `mlflow run` (which passes every parameter, defaults included) the recipe keeps its value
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
+    cfg = grpo_config("--recipe", str(recipe), "--resume", "false", "--use-lora", "true")
+    assert (cfg.resume, cfg.use_lora) == (True, False)
+
+
+def test_cli_bool_flag_bad_value():
+    result = CliRunner().invoke(main, ["grpo", "--resume", "maybe"])
+    assert result.exit_code == 2 and "--resume" in result.output and "'maybe'" in result.output
 
 
 def test_accelerate_configs_parse():

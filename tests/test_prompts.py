@@ -176,3 +176,97 @@ def test_all_spider_dev_prompts_build_from_tables_json(tmp_path):
         assert len(created) == len(entries[ex.db_id]["table_names_original"]), ex.db_id
     assert len(builder.info) == 20  # Spider dev covers 20 databases
     assert all(not i["truncated_schema"] for i in builder.info.values())
+
+
+# ---- compact style (the tiny model's default) ------------------------------------------------------------
+
+@pytest.fixture
+def books(tmp_path):
+    p = db_path(tmp_path, "books")
+    p.parent.mkdir(parents=True)
+    con = sqlite3.connect(p)
+    con.executescript("""
+        CREATE TABLE author (author_id INTEGER PRIMARY KEY, name TEXT NOT NULL);
+        CREATE TABLE book (book_id INTEGER PRIMARY KEY, title TEXT, author_id INTEGER REFERENCES author(author_id),
+                           year INT);
+        INSERT INTO author VALUES (1, 'Ann Lee');
+        INSERT INTO book VALUES (1, 'Silent River', 1, 1999);
+    """)
+    con.close()
+    return p
+
+
+COMPACT_BOOKS = ("CREATE TABLE author (author_id INTEGER PRIMARY KEY, name TEXT);\n"
+                 "CREATE TABLE book (book_id INTEGER PRIMARY KEY, title TEXT, "
+                 "author_id INTEGER REFERENCES author(author_id), year INT);")
+
+
+def test_compact_renders_one_line_per_table_with_keys_inline(books):
+    text, info = schema_text(books, example_values=3, style="compact")
+    assert text == COMPACT_BOOKS  # no example values, whatever example_values says
+    assert info == {"example_values": 0, "dropped_examples": False, "truncated_schema": False, "chars": len(text)}
+
+
+def test_compact_odd_identifiers_and_composite_key(odd_db):
+    text, _ = schema_text(odd_db, style="compact")
+    assert text.splitlines() == [
+        "CREATE TABLE `Team List` (tid INTEGER PRIMARY KEY, `Home Town` TEXT, logo BLOB);",
+        "CREATE TABLE membership (tid INTEGER REFERENCES `Team List`(tid), season INTEGER, note TEXT, `order` INT, "
+        "PRIMARY KEY (season, tid));"]  # a composite key is a table constraint, not a column's
+
+
+def test_compact_messages_have_no_system_turn(books):
+    builder = PromptBuilder(books.parent.parent, style="compact")
+    msgs = builder.messages({"db_id": "books", "question": "Who wrote Silent River?"})
+    assert [m["role"] for m in msgs] == ["user"]
+    assert msgs[0]["content"] == (f"Database schema:\n{COMPACT_BOOKS}\n\nQuestion: Who wrote Silent River?\n\n"
+                                  f"{INSTRUCTION}")
+
+
+def test_compact_tables_json_fallback_is_compact(tmp_path):
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps([ENTRY]))
+    builder = PromptBuilder(tmp_path / "no-databases", tables_json=tables, style="compact")
+    assert builder.schema("club") == (
+        "CREATE TABLE team (id number PRIMARY KEY, `Team Name` text);\n"
+        "CREATE TABLE player (team_id number REFERENCES team(id), season number, name text, "
+        "PRIMARY KEY (team_id, season));")
+
+
+@pytest.fixture
+def wide_db(tmp_path):
+    """200 tables of ~110 characters each in compact form: ~22k characters, over prompts.MAX_CHARS."""
+    p = db_path(tmp_path, "wide")
+    p.parent.mkdir(parents=True)
+    con = sqlite3.connect(p)
+    con.executescript("BEGIN;" + "".join(  # one transaction: 200 commits would cost seconds
+        f"CREATE TABLE measurement_{i:03d} (measurement_id INTEGER PRIMARY KEY, station_name TEXT, "
+        f"recorded_value REAL, recorded_on DATE);" for i in range(200)) + "COMMIT;")
+    con.close()
+    return p
+
+
+def test_compact_length_guard_keeps_whole_leading_tables(wide_db):
+    full, info = schema_text(wide_db, style="compact")
+    lines = full.splitlines()
+    assert len(lines) == 200 and not info["truncated_schema"]  # no limit given: everything
+    limit = len("\n".join(lines[:7])) + 50  # room for 7 tables and part of an 8th
+    text, info = schema_text(wide_db, max_chars=limit, style="compact")
+    assert text.splitlines() == lines[:7]  # whole tables, in order; the 8th is dropped, not cut
+    assert info == {"example_values": 0, "dropped_examples": False, "truncated_schema": True, "chars": len(text)}
+    text, info = schema_text(wide_db, max_chars=len(full), style="compact")
+    assert text == full and not info["truncated_schema"]  # exactly at the limit: kept
+    text, info = schema_text(wide_db, max_chars=20, style="compact")  # not even one table fits: cut it
+    assert text == lines[0][:20] and info["truncated_schema"]
+
+
+def test_prompt_builder_applies_max_chars_to_compact(wide_db, caplog):
+    from slmsql.prompts import MAX_CHARS
+
+    full, _ = schema_text(wide_db, style="compact")
+    assert len(full) > MAX_CHARS
+    builder = PromptBuilder(wide_db.parent.parent, style="compact")  # the default limit, as stages build it
+    schema = builder.schema("wide")
+    assert len(schema) <= MAX_CHARS and full.startswith(schema + "\n")
+    assert schema.endswith(");") and builder.info["wide"]["truncated_schema"]
+    assert "schema of wide is longer than 12000 characters" in caplog.text

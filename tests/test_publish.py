@@ -9,8 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -315,6 +319,68 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
         for path in root.rglob("*"):
             assert not path.is_file() or token not in path.read_bytes(), path
     assert hub.token not in caplog.text and caplog.text  # something was logged, and not the token
+
+
+# ---- which Hub the push goes to: --endpoint, else HF_ENDPOINT --------------------------------------------
+# The `hub` fixture points the library's *default* endpoint (huggingface_hub.constants.ENDPOINT) at the stub,
+# so the tests above would pass even if publish ignored --endpoint. Here the default is dead.
+
+@pytest.fixture
+def dead_url():
+    """A loopback URL that refuses connections: a port bound (so nobody else takes it) but not listening."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def cli_args(cfg: PublishConfig) -> list[str]:
+    return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", cfg.eval_runs, "--filter-run", cfg.filter_run,
+            "--repo-id", cfg.repo_id, "--output-dir", cfg.output_dir]
+
+
+def test_endpoint_option_routes_the_push(store, hub, dead_url, tmp_path, monkeypatch):
+    import mlflow
+    from huggingface_hub import constants
+
+    from slmsql.cli import main
+
+    monkeypatch.setattr(constants, "ENDPOINT", dead_url)  # the library default: dead
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead_url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    args = cli_args(config(store, tmp_path))
+
+    # without --endpoint the push goes to the dead default and fails (so the stub below is reached only
+    # through the option); nothing reached the stub
+    failed = CliRunner().invoke(main, args)
+    assert failed.exit_code == 2 and f"pushing to {REPO} failed" in failed.output, failed.output
+    assert hub.requests == [] and hub.repos == {}
+
+    result = CliRunner().invoke(main, args + ["--overwrite", "--endpoint", hub.url])
+    assert result.exit_code == 0, result.output
+    assert len(hub.repos[REPO]["commits"]) == 1 and hub.unhandled == []
+    assert hub.files(REPO) == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    tags = mlflow.MlflowClient().get_run(store["grpo"]).data.tags
+    assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}"
+
+
+def test_hf_endpoint_env_routes_the_push(store, hub, tmp_path):
+    """HF_ENDPOINT with no --endpoint. huggingface_hub reads HF_ENDPOINT once, at import, into
+    constants.ENDPOINT; setting it in this process (where the library is already imported) would change
+    nothing. So publish runs as a fresh subprocess, which imports the library with HF_ENDPOINT set, the one
+    way a user's shell sets it. Nothing else in that process names the stub."""
+    import mlflow
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE")}
+    env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.token, HF_HOME=str(tmp_path / "hf-home"),
+               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")  # as hubstub.configure_client, by env
+    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", *cli_args(config(store, tmp_path))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(hub.repos[REPO]["commits"]) == 1 and hub.unhandled == []
+    assert hub.files(REPO) == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    tags = mlflow.MlflowClient().get_run(store["grpo"]).data.tags
+    assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}"
 
 
 def test_republishing_is_idempotent(store, hub, tmp_path, monkeypatch):

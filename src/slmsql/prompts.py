@@ -16,14 +16,16 @@ a few example values as an SQL comment, then the primary key and foreign keys as
 and drops the system message: the embedded tiny model pays for every prompt token on 2 CPU cores, so its
 prompts stay near 100 tokens instead of ~250. Real models use the default OmniSQL style (see `recipes/`).
 
-When a schema is too long, example values go first (fewer per column, then none); whole tables are cut only
-after that, and the returned dict says what was dropped.
+When a schema is longer than `max_chars` (MAX_CHARS in PromptBuilder), example values go first (fewer per
+column, then none); whole tables are cut only after that (in either style: compact has no examples, so it
+only cuts tables), the returned dict says what was dropped, and PromptBuilder logs a warning per database.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import sqlite3
 from pathlib import Path
@@ -31,6 +33,7 @@ from pathlib import Path
 from .data import db_path, schema_of
 from .errors import DataError, SlmsqlError
 
+log = logging.getLogger(__name__)
 MAX_CHARS = 12_000  # ~3-4k tokens of schema: leaves room for the answer in a 4k-8k context
 SYSTEM = "You are a SQLite expert. You answer questions about a database by writing one SQLite query."
 STYLES = ("omnisql", "compact")
@@ -80,7 +83,8 @@ def _render(tables: list[dict], k: int) -> list[str]:
     return blocks
 
 
-def _render_compact(tables: list[dict]) -> str:
+def _render_compact(tables: list[dict]) -> list[str]:
+    """One line per table."""
     lines = []
     for t in tables:
         fks = {col: (ref_t, ref_c) for col, ref_t, ref_c in t["fks"]}
@@ -95,7 +99,17 @@ def _render_compact(tables: list[dict]) -> str:
         if len(t["pk"]) > 1:
             cols.append(f"PRIMARY KEY ({', '.join(quote(c) for c in t['pk'])})")
         lines.append(f"CREATE TABLE {quote(t['name'])} ({', '.join(cols)});")
-    return "\n".join(lines)
+    return lines
+
+
+def _whole_tables(blocks: list[str], max_chars: int) -> str:
+    """The leading tables that fit whole; when not even the first fits, its first max_chars characters."""
+    kept: list[str] = []
+    for block in blocks:
+        if len("\n".join([*kept, block])) > max_chars:
+            break
+        kept.append(block)
+    return "\n".join(kept) if kept else blocks[0][:max_chars]
 
 
 def _fit(tables: list[dict], example_values: int, max_chars: int | None) -> tuple[str, dict]:
@@ -108,14 +122,23 @@ def _fit(tables: list[dict], example_values: int, max_chars: int | None) -> tupl
             info["chars"] = len(text)
             return text, info
     # Even without examples it does not fit: keep whole tables while they fit, then cut.
-    kept: list[str] = []
-    for block in _render(tables, 0):
-        if len("\n".join([*kept, block])) > max_chars:
-            break
-        kept.append(block)
-    text = "\n".join(kept) if kept else _render(tables, 0)[0][:max_chars]
+    text = _whole_tables(_render(tables, 0), max_chars)
     info.update(dropped_examples=example_values > 0, truncated_schema=True, chars=len(text))
     return text, info
+
+
+def _fit_compact(tables: list[dict], max_chars: int | None) -> tuple[str, dict]:
+    """The same guard for compact prompts, which carry no example values: only whole tables can go."""
+    lines = _render_compact(tables)
+    text = "\n".join(lines)
+    truncated = max_chars is not None and len(text) > max_chars
+    if truncated:
+        text = _whole_tables(lines, max_chars)
+    return text, {"example_values": 0, "dropped_examples": False, "truncated_schema": truncated, "chars": len(text)}
+
+
+def _fit_style(tables: list[dict], example_values: int, max_chars: int | None, style: str) -> tuple[str, dict]:
+    return _fit_compact(tables, max_chars) if style == "compact" else _fit(tables, example_values, max_chars)
 
 
 def _read_db(db_file, n: int) -> list[dict]:
@@ -155,11 +178,12 @@ def _read_db(db_file, n: int) -> list[dict]:
 
 def schema_text(db_file, example_values: int = 3, max_chars: int | None = None,
                 style: str = "omnisql") -> tuple[str, dict]:
-    """CREATE TABLE text of an SQLite database, with up to example_values distinct values per column."""
-    if style == "compact":
-        text = _render_compact(_read_db(db_file, 0))
-        return text, {"example_values": 0, "dropped_examples": False, "truncated_schema": False, "chars": len(text)}
-    return _fit(_read_db(db_file, example_values), example_values, max_chars)
+    """CREATE TABLE text of an SQLite database, with up to example_values distinct values per column
+    (omnisql), cut to max_chars by the length guard (module docstring)."""
+    if style not in STYLES:
+        raise SlmsqlError(f"unknown prompt style {style!r}; choose one of {STYLES}")
+    examples = example_values if style == "omnisql" else 0
+    return _fit_style(_read_db(db_file, examples), examples, max_chars, style)
 
 
 def _tables_from_json(entry: dict, source=None) -> list[dict]:
@@ -242,11 +266,14 @@ class PromptBuilder:
             if path.is_file():
                 text, info = schema_text(path, self.example_values, self.max_chars, self.style)
             elif (entry := self._entry(db_id)) is not None:
-                text, info = _fit(_tables_from_json(entry, self.tables_json), 0, self.max_chars)
+                text, info = _fit_style(_tables_from_json(entry, self.tables_json), 0, self.max_chars, self.style)
                 info["source"] = "tables.json"
             else:
                 where = f" and not in {self.tables_json}" if self.tables_json else ""
                 raise DataError(f"unknown db_id {db_id!r}: no database at {path}{where}", field="db_id")
+            if info["truncated_schema"]:
+                log.warning("schema of %s is longer than %d characters: the prompt keeps only its first tables "
+                            "(%d characters)", db_id, self.max_chars, info["chars"])
             self._schemas[db_id], self.info[db_id] = text, info
         return self._schemas[db_id]
 
