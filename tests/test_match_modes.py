@@ -18,7 +18,9 @@ from click.testing import CliRunner
 
 from slmsql import rewards
 from slmsql.cli import main as cli
-from slmsql.scoring import InlineExecutor, judge
+from inline import InlineExecutor
+
+from slmsql.scoring import judge
 
 DUPS = "SELECT kind FROM item"  # office, kitchen, office, kitchen: duplicate rows
 ORDERED = "SELECT name FROM item ORDER BY price"  # pen, pad, cup, pot: order is part of the answer
@@ -133,12 +135,12 @@ def fake_policy(monkeypatch):
     """No model: the filter's sampler returns FILTER's completions for each question, in order."""
     from slmsql import generation, models
 
-    def sample(cfg, examples, *, k, **_):
+    def complete(cfg, examples, policy, *, k, **_):
         assert k == 2
         return [[f"```sql\n{c}\n```" for c in FILTER[e.id][1]] for e in examples]
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(generation, "sample", sample)
+    monkeypatch.setattr(generation, "complete", complete)
 
 
 @pytest.mark.parametrize("match", ["bird", "spider"])
