@@ -33,3 +33,38 @@ def _isolated_mlflow(tmp_path, monkeypatch):
     yield
     while mlflow.active_run():
         mlflow.end_run()
+
+
+@pytest.fixture(autouse=True)
+def _documented_metrics_only(monkeypatch):
+    """Every metric any stage logs, in any test, must be in the documented vocabulary for that stage
+    (`tracking.VOCABULARY`, README "Metric vocabulary"): an undocumented name fails the test that logged it."""
+    import mlflow
+
+    from slmsql import tracking
+
+    stages: dict[str, str] = {}
+
+    def check(names):
+        active = mlflow.active_run()
+        if active is None:
+            return
+        run_id = active.info.run_id
+        if run_id not in stages:
+            stages[run_id] = mlflow.get_run(run_id).data.tags.get("slmsql.stage", "")
+        stage = stages[run_id] or None
+        bad = [n for n in names if not tracking.documented(n, stage)]
+        assert not bad, f"{stage} logged metric(s) {bad} that are not in tracking.VOCABULARY (README: Metric vocabulary)"
+
+    log_metric, log_metrics = mlflow.log_metric, mlflow.log_metrics
+
+    def checked_metric(key, *args, **kwargs):
+        check([key])
+        return log_metric(key, *args, **kwargs)
+
+    def checked_metrics(metrics, *args, **kwargs):
+        check(list(metrics))
+        return log_metrics(metrics, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow, "log_metric", checked_metric)
+    monkeypatch.setattr(mlflow, "log_metrics", checked_metrics)

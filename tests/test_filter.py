@@ -88,7 +88,8 @@ def filtered(policy, tmp_path_factory):
     bad_gold = {**rows[1], "id": "bad-gold", "sql": "SELECT no_such_column FROM patient"}
     data = write(root / "source.jsonl", rows + [missing_db, bad_gold])
     uri = f"sqlite:///{root}/mlflow.db"
-    with tracking_store(uri):
+    with tracking_store(uri), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # 10 s by default: this run may be shorter
         summary = passrate.main(filter_cfg(policy, data, root / "out"))
     return root / "out", data, summary, uri
 
@@ -157,8 +158,14 @@ def test_filter_mlflow_run(filtered):
     assert [f.path for f in client.list_artifacts(run.info.run_id, "data_check")] == ["data_check/rl.json"]
     report = json.loads(Path(client.download_artifacts(run.info.run_id, "data_check/rl.json")).read_text())
     assert report["success"] is True
+    assert "system/cpu_utilization_percentage" in m and "system/system_memory_usage_megabytes" in m
+    note = run.data.tags["mlflow.note.content"]  # the description states the buckets
+    assert note.startswith(f"Pass rates of 42 questions from K = 4 samples each: band (0.2 < p < 0.8) {b['band']}, "
+                           f"all fail (0/4) {b['all_fail']}, all pass (4/4) {b['all_pass']}, out of band "
+                           f"{sum(b['out_of_band'].values())}")
+    assert "errors 2." in note
     (inp,) = run.inputs.dataset_inputs
-    assert inp.dataset.name == "rl_band"
+    assert inp.dataset.name == "rl"  # as GRPO names its input
     assert [t.value for t in inp.tags if t.key == "mlflow.data.context"] == ["output"]
     assert json.loads(inp.dataset.profile)["num_rows"] == b["band"]
 

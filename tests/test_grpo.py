@@ -125,7 +125,8 @@ def served_run(policy, server, tmp_path_factory):
     handler = Keep(logging.WARNING)
     logging.getLogger("slmsql.stages.grpo").addHandler(handler)
     try:
-        with tracking_store(server):
+        with tracking_store(server), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # 10 s by default: this run may be shorter
             summary = grpo.main(cfg)
     finally:
         logging.getLogger("slmsql.stages.grpo").removeHandler(handler)
@@ -159,30 +160,64 @@ def test_served_run_exec_telemetry_and_summary(served_run):
         total = sum(next(h.value for h in client.get_metric_history(run.info.run_id, k) if h.step == step)
                     for k in statuses)
         assert total == pytest.approx(1.0)
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec_frac_groups_correctness_varies"):
-        assert m[f"summary/{key}"] == pytest.approx(summary[f"summary/{key}"])
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/frac_groups_correctness_varies",
+                "exec/correct"):
+        mean = sum(h.value for h in client.get_metric_history(run.info.run_id, key)) / 4  # over the 4 steps
+        assert m[f"summary/{key}"] == pytest.approx(summary[f"summary/{key}"]) == pytest.approx(mean, rel=1e-5)
     assert m["steps"] == summary["steps"] == 4
+    assert "system/cpu_utilization_percentage" in m  # MLflow's system metrics, sampled every second here
+
+
+def test_served_run_description_says_whether_there_was_signal(served_run):
+    _, summary, _, run, _ = served_run
+    note = run.data.tags["mlflow.note.content"]
+    varies = summary["summary/exec/frac_groups_correctness_varies"]
+    assert note.startswith("GRPO, 4 steps in ")
+    assert (f"Correctness signal in {varies:.0%} of prompt groups" if varies else "No correctness signal") in note
+    assert f"{summary['summary/frac_reward_zero_std']:.0%} of groups had zero reward variance" in note
+    assert f"{summary['summary/exec/correct']:.0%} of sampled completions correct" in note
+
+
+def test_served_run_training_curves_and_clean_adapter(served_run):
+    _, _, client, run, _ = served_run
+    assert "training_curves.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    # PEFT's boilerplate README ("More Information Needed") is not logged as if it were the card
+    assert "adapter/README.md" not in {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.name == "rl" and [t.value for t in inp.tags if t.key == "mlflow.data.context"] == ["training"]
 
 
 def test_served_run_params_are_the_stage_config(served_run):
     cfg, _, _, run, _ = served_run
     params = run.data.params
     assert set(params) == set(configs.to_params(cfg))  # not TRL's ~224 training arguments
+    assert "" not in params.values() and "adapter_mode" not in params  # no base adapter: the mode does not apply
     assert "adam_beta1" not in params and "vocab_size" not in params
     assert params["num_generations"] == "4" and params["rewards"] == "execution,format"
 
 
 def test_served_run_completions_tables(served_run):
-    _, _, client, run, _ = served_run
+    from slmsql.extract import extract_sql
+
+    cfg, _, client, run, _ = served_run
     tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "completions"))
     assert tables == ["completions/step_00002.json", "completions/step_00004.json"]  # every 2 steps
     table = json.loads(Path(client.download_artifacts(run.info.run_id, tables[0])).read_text())
-    assert {"prompt", "completion", "execution", "format"} <= set(table["columns"])
+    assert table["columns"] == ["step", "id", "question", "sql", "completion", "gold_sql", "status", "execution",
+                                "format", "advantage"]
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert len(rows) == 8 and all(isinstance(r["completion"], str) for r in rows)
-    assert {round(r["format"], 6) for r in rows} <= {0.0, 0.2}  # rewards pass through float32
-    assert {round(r["execution"], 6) for r in rows} <= {0.0, 0.1, 1.0}
-    assert {r["exec_status"] for r in rows} <= {"correct", "ok", "error", "timeout", "truncated", "rejected", "no_sql"}
+    gold = {r["id"]: r for r in read(cfg.data)}
+    for r in rows:  # each completion beside the question it answers and the gold SQL
+        assert (r["question"], r["gold_sql"]) == (gold[r["id"]]["question"], gold[r["id"]]["sql"])
+        assert r["sql"] == extract_sql(r["completion"])[0]
+    assert {r["format"] for r in rows} <= {0.0, 0.2}  # rounded: no float32 noise (0.200000003)
+    assert {r["execution"] for r in rows} <= {0.0, 0.1, 1.0}
+    # statuses named as the exec/<outcome> metrics name them, and paid as the reward tiers say
+    tier = {"correct": 1.0, "wrong_result": 0.1}
+    assert all(r["execution"] == tier.get(r["status"], 0.0) for r in rows)
+    assert {r["status"] for r in rows} <= {"correct", "wrong_result", "error", "timeout", "truncated", "rejected",
+                                           "no_sql"}
 
 
 def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):

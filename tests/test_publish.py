@@ -107,8 +107,8 @@ def world(tmp_path_factory):
     grpo_cfg = GRPOStageConfig(model=BASE, base_adapter="adapters/sft", max_steps=40, learning_rate=1e-5,
                                data="outputs/filter/band.jsonl")
     summary = {"summary/reward": 0.61, "summary/reward_std": 0.44, "summary/frac_reward_zero_std": 0.12,
-               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48,
-               "summary/exec_frac_groups_correctness_varies": 0.81, "summary/completions_mean_length": 80.5,
+               "summary/grad_norm": 0.5, "summary/exec/correct": 0.48,
+               "summary/exec/frac_groups_correctness_varies": 0.81, "summary/completions/mean_length": 80.5,
                "train_seconds": 9720.0, "steps": 40}
     ids["grpo"] = run("grpo", grpo_cfg, {"slmsql.model": BASE, "slmsql.base_adapter": "adapters/sft",
                                          "slmsql.adapter_mode": "continue"}, summary,
@@ -215,6 +215,8 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
     assert client.search_registered_models() == []  # a dry run registers nothing
     publish = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0]
     assert publish.data.tags["slmsql.stage"] == "publish"
+    assert publish.data.tags["mlflow.note.content"] == (
+        f"Model card for {REPO} written, not pushed (dry run). From GRPO run {store['grpo']} and 2 evaluation run(s).")
     card_artifact = mlflow.artifacts.download_artifacts(run_id=publish.info.run_id, artifact_path="card/README.md",
                                                         dst_path=str(tmp_path / "dl"))
     assert Path(card_artifact).read_text() == card
@@ -237,6 +239,7 @@ def test_card_states_the_runs_numbers(store, tmp_path):
     assert "2 h 42 min" in details and "40 of 40 planned" in details
     signal = section(card, "Training signal")
     assert "| frac_reward_zero_std | 0.12 | 0.05 – 0.2 |" in signal and "| grad_norm | 0.5 | — |" in signal
+    assert "| groups with varying correctness | 0.81 |" in signal and "| sampled completions correct | 0.48 |" in signal
     limits = section(card, "Intended use and limitations")
     assert re.search(r"With n = 149 on bird, differences under \d+\.\d points cannot be reliably detected", limits)
     repro = section(card, "Reproduce")
@@ -309,6 +312,11 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     assert version.source == f"runs:/{store['grpo']}/adapter" and version.run_id == store["grpo"]
     assert version.tags["hub_commit"] == result["hub_commit"] and version.tags["hub_repo"] == REPO
     assert version.tags["eval_runs"] == f"{store['grpo_bird']},{store['grpo_spider']}"
+    (publish,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
+                                    "tags.`slmsql.stage` = 'publish'")
+    assert publish.data.tags["mlflow.note.content"].startswith(
+        f"Model card for {REPO} pushed to {hub.url}/{REPO} (commit {result['hub_commit'][:10]}); "
+        f"registered as tiny-grpo version {version.version}.")
 
     # the token travels only in the Authorization header: not in any path, query or body ...
     token = hub.token.encode()

@@ -76,7 +76,7 @@ def test_telemetry_counts_correctness_variance_not_reward_variance(batch):
     assert metrics["exec/frac_groups_correctness_varies"] == 0.5
     assert metrics["exec/correct"] == 0.4
     assert metrics["exec/wrong_result"] == 0.2 and metrics["exec/error"] == 0.2 and metrics["exec/no_sql"] == 0.2
-    assert extra["exec_status"] == ["correct", "correct", "ok", "error", "no_sql"]
+    assert extra["status"] == ["correct", "correct", "wrong_result", "error", "no_sql"]  # as the metrics name them
 
 
 def test_group_of_runs_and_fails_has_reward_std_but_no_correctness_signal(shop):

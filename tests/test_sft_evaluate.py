@@ -75,6 +75,10 @@ def test_sft_lora_mlflow_run(lora):
             "policy/sft_summary.json"} <= policy_files
     (inp,) = run.inputs.dataset_inputs
     assert inp.dataset.name == "sft" and json.loads(inp.dataset.profile)["num_rows"] == 47
+    assert run.data.tags["mlflow.note.content"].startswith(
+        "SFT (LoRA adapter) of tiny: 4 steps on 47 examples in ")
+    assert f"train loss {m['train_loss']:.3g}." in run.data.tags["mlflow.note.content"]
+    assert "policy/README.md" not in policy_files  # PEFT's placeholder card is not logged with the adapter
 
 
 def test_sft_base_adapter_continues_it(lora, policy):
@@ -171,6 +175,13 @@ def test_evaluation_metrics_and_run(evals):
     assert run.data.metrics["ex"] == a["ex"]
     names = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"results.jsonl", "metrics.json", "predictions.jsonl", "ex_intervals.png", "results_table.json"} <= names
+    assert "disagreements_table.json" not in names  # no baseline, no pairs
+    (inp,) = run.inputs.dataset_inputs  # the eval set, under its dataset name
+    assert inp.dataset.name == "dev" and json.loads(inp.dataset.profile)["num_rows"] == 30
+    assert [t.value for t in inp.tags if t.key == "mlflow.data.context"] == ["evaluation"]
+    lo, hi = a["ex_ci_low"], a["ex_ci_high"]
+    assert run.data.tags["mlflow.note.content"] == (f"EX {100 * a['ex']:.1f}% (95% Wilson interval {100 * lo:.1f}% "
+                                                    f"to {100 * hi:.1f}%) on 30 questions of dev, bird match.")
 
 
 def test_rescoring_predictions_gives_the_same_ex(evals):
@@ -183,7 +194,7 @@ def test_rescoring_predictions_gives_the_same_ex(evals):
 
 
 def test_baseline_comparison(evals):
-    root, _, _, runs, m = evals
+    root, _, client, runs, m = evals
     a_id = runs["a"].info.run_id
     same = m["b"]["comparison"]  # the same model again: no discordant pairs
     assert same["baseline_run"] == a_id and same["diff"] == 0 and same["only_a"] == same["only_b"] == 0
@@ -197,10 +208,23 @@ def test_baseline_comparison(evals):
         run = runs[name]
         assert run.data.tags["slmsql.baseline_run"] == a_id
         assert run.data.tags["slmsql.verdict"] == comp["verdict"]
-        for key in ("diff", "mcnemar_p", "ex_b", "diff_ci_low", "diff_ci_high", "only_a", "only_b"):
-            assert run.data.metrics[f"vs_baseline_{key}"] == pytest.approx(comp[key]), key
+        names = {"diff": "vs_baseline/diff", "mcnemar_p": "vs_baseline/p", "ex_b": "baseline/ex",
+                 "diff_ci_low": "vs_baseline/diff_ci_low", "diff_ci_high": "vs_baseline/diff_ci_high",
+                 "only_a": "vs_baseline/only_this_right", "only_b": "vs_baseline/only_baseline_right"}
+        for key, name in names.items():
+            assert run.data.metrics[name] == pytest.approx(comp[key]), key
+        assert f"vs a: {100 * comp['ex_b']:.1f}% → {100 * comp['ex_a']:.1f}%" in run.data.tags["mlflow.note.content"]
+        assert f": {comp['verdict']} at α = 0.05. {comp['only_a']} questions only this run got right, " \
+            f"{comp['only_b']} only the baseline." in run.data.tags["mlflow.note.content"]
     assert runs["d"].data.tags["slmsql.verdict"] != runs["b"].data.tags["slmsql.verdict"]
-    assert "vs_baseline_diff" not in runs["a"].data.metrics
+    assert "vs_baseline/diff" not in runs["a"].data.metrics
+    # the discordant questions, listed: none for the same model twice; for the oracle, every one `a` missed
+    wrong_in_a = {r["id"] for r in read(root / "a" / "results.jsonl") if not r["correct"]}
+    for name, ids in (("b", set()), ("d", wrong_in_a)):
+        path = client.download_artifacts(runs[name].info.run_id, "disagreements_table.json", str(root / name))
+        table = json.loads(Path(path).read_text())
+        assert {row[0] for row in table["data"]} == ids
+        assert {row[table["columns"].index("right")] for row in table["data"]} <= {name}
 
 
 @pytest.fixture
@@ -266,7 +290,7 @@ def test_prediction_utf8_cannot_encode_is_scored_and_written(tmp_path):
     (run,) = mlflow.search_runs(experiment_names=["slmsql"], output_format="list")
     table = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id,
                                                                 artifact_path="results_table.json")).read_text())
-    col = table["columns"].index("pred_sql")
+    col = table["columns"].index("predicted_sql")
     assert [r[col] for r in table["data"] if r[0] == "q1"] == ["SELECT '\ufffd'"]  # display copy: replaced
 
 

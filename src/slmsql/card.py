@@ -24,14 +24,14 @@ TELEMETRY = [  # (summary metric, per-step metric, label, what it means)
     ("summary/frac_reward_zero_std", "frac_reward_zero_std", "frac_reward_zero_std",
      "share of prompt groups whose completions all got the same reward: zero advantage, no gradient"),
     ("summary/reward_std", "reward_std", "reward_std", "reward standard deviation within a group"),
-    ("summary/exec_frac_groups_correctness_varies", "exec/frac_groups_correctness_varies",
+    ("summary/exec/frac_groups_correctness_varies", "exec/frac_groups_correctness_varies",
      "groups with varying correctness",
      "share of groups holding both right and wrong SQL: the signal about correctness"),
-    ("summary/exec_correct", "exec/correct", "sampled completions correct",
+    ("summary/exec/correct", "exec/correct", "sampled completions correct",
      "share of training samples whose SQL matched gold"),
     ("summary/reward", "reward", "reward", "mean total reward per completion"),
     ("summary/grad_norm", "grad_norm", "grad_norm", "gradient norm before clipping"),
-    ("summary/completions_mean_length", "completions/mean_length", "completion length", "mean tokens per completion"),
+    ("summary/completions/mean_length", "completions/mean_length", "completion length", "mean tokens per completion"),
 ]
 
 
@@ -104,7 +104,7 @@ def tldr(results: list[dict], start: str, telemetry: dict) -> str:
         mdds = [f"{r['dataset']} (n = {r['n']}): {mdd(r['cmp']['mdd'])}" for r in compared if r["dataset"] in null]
         text += " Smallest differences these evaluations could reliably detect: " + "; ".join(mdds) + "."
     said = {"summary/frac_reward_zero_std": "{:.0%} of groups had zero reward variance",
-            "summary/exec_frac_groups_correctness_varies": "correctness varied within {:.0%} of groups"}
+            "summary/exec/frac_groups_correctness_varies": "correctness varied within {:.0%} of groups"}
     signal = [text.format(telemetry[k]["mean"]) for k, text in said.items() if k in telemetry]
     if signal:
         text += " During training (means over steps), " + " and ".join(signal) + "."

@@ -106,7 +106,7 @@ class TinyModelConfig(Prompt, Common):
 class EvaluateConfig(Model, Workers, Common):
     """Execution accuracy of a model or a predictions file, with intervals and a paired test."""
 
-    key_metrics: ClassVar = ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline_diff", "vs_baseline_mcnemar_p")
+    key_metrics: ClassVar = ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline/diff", "vs_baseline/p")
 
     data: str = opt("", "Gold file: canonical JSONL, or BIRD/Spider dev.json.", required=True)
     db_root: str = opt("", "Folder holding <db_id>/<db_id>.sqlite.", required=True)
@@ -166,14 +166,14 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
-                             "summary/exec_frac_groups_correctness_varies", "steps")
+                             "summary/exec/frac_groups_correctness_varies", "steps")
 
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
     model: str = opt("outputs/sft", "Base model: Hub id or local path.")
     base_adapter: str = opt("", "SFT adapter to start from.")
     adapter_mode: str = opt("continue", "continue: train the base adapter further; stack: merge it, train a new one.",
-                            choices=("continue", "stack"))
+                            choices=("continue", "stack"), only_with="base_adapter")
     rewards: list[str] = opt(["execution", "format"], "Comma-separated reward names from the registry.")
     reward_weights: list[float] = opt([], "Comma-separated weights, one per reward (default: all 1).")
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
@@ -232,7 +232,8 @@ class ValidateConfig(Common):
 class PipelineConfig(Common):
     """The whole lifecycle on the toy world, each step an MLflow run under one parent."""
 
-    key_metrics: ClassVar = ("grpo_ex_dev", "grpo_ex_dev_cross")
+    key_metrics: ClassVar = ("eval-sft-dev/ex", "eval-grpo-dev/ex", "eval-grpo-dev/vs_baseline/p",
+                             "eval-sft-dev_cross/ex", "eval-grpo-dev_cross/ex", "eval-grpo-dev_cross/vs_baseline/p")
 
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
@@ -331,9 +332,13 @@ def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool 
 
 
 def to_params(cfg) -> dict:
-    """Flat str -> str params for MLflow (trainer_args flattened as trainer_args.<key>)."""
+    """Flat str -> str params for MLflow (trainer_args flattened as trainer_args.<key>). Empty options are left
+    out, and so is an option that only applies with another one (`only_with`) when that one is empty."""
     out = {}
-    for k, v in dataclasses.asdict(cfg).items():
+    for f in fields(cfg):
+        k, v = f.name, getattr(cfg, f.name)
+        if v in ("", [], {}) or ("only_with" in f.metadata and not getattr(cfg, f.metadata["only_with"])):
+            continue
         if isinstance(v, dict):
             out.update({f"{k}.{kk}": json.dumps(vv) for kk, vv in v.items()})
         elif isinstance(v, list):

@@ -1,4 +1,5 @@
-"""The figures runs log: pass-rate histogram (filter), EX with intervals beside the baseline (evaluate)."""
+"""The figures runs log: pass-rate histogram (filter), EX with intervals beside the baseline (evaluate), training
+curves (grpo)."""
 
 from __future__ import annotations
 
@@ -13,36 +14,92 @@ def _pyplot():
 
 
 def histogram_figure(summary: dict):
+    """Questions per pass rate i/K, coloured by bucket, with every colour in the legend."""
+    from matplotlib.patches import Patch
+
     plt = _pyplot()
     k, low, high = summary["k"], summary["low"], summary["high"]
-    fig, ax = plt.subplots(figsize=(5, 3))
+    colors = {"band": "#36c", "ends": "#c63", "out": "#aaa"}
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for i, (label, n) in enumerate(summary["histogram"].items()):
         p = i / k
-        color = "#36c" if low < p < high else ("#c63" if i in (0, k) else "#aaa")
-        ax.bar(i, n, color=color)
+        kind = "band" if low < p < high else ("ends" if i in (0, k) else "out")
+        ax.bar(i, n, color=colors[kind])
+        ax.annotate(str(n), (i, n), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(k + 1), list(summary["histogram"]), fontsize=8)
-    ax.set_xlabel(f"pass rate (blue: band {low} < p < {high}; grey: in no main bucket)")
+    ax.set_xlabel(f"pass rate (K = {k} samples per question)")
     ax.set_ylabel("questions")
+    ax.margins(y=0.12)
+    ax.legend(handles=[Patch(color=colors["band"], label=f"band {low} < p < {high} (RL data)"),
+                       Patch(color=colors["ends"], label=f"all fail 0/{k}, all pass {k}/{k}"),
+                       Patch(color=colors["out"], label="out of band")], fontsize=7, frameon=False)
     fig.tight_layout()
     return fig
 
 
-def ex_figure(metrics: dict, comparison: dict | None, label: str):
-    """EX with Wilson intervals, this run beside its baseline: the picture a reader checks first."""
+def ex_figure(metrics: dict, comparison: dict | None, label: str, baseline_label: str = "baseline"):
+    """EX with its interval, this run beside its baseline (both named), on an axis fitted to the intervals:
+    points with error bars, not bars, because a bar on an axis that does not start at 0 misleads."""
     plt = _pyplot()
-    bars = [(label, metrics["ex"], metrics["ex_ci_low"], metrics["ex_ci_high"])]
+    rows = [(label, metrics["ex"], metrics["ex_ci_low"], metrics["ex_ci_high"], "#36c")]
+    if comparison:  # both intervals from the comparison: one confidence level, 1 - alpha
+        rows = [(label, comparison["ex_a"], comparison["ex_a_ci_low"], comparison["ex_a_ci_high"], "#36c"),
+                (baseline_label, comparison["ex_b"], comparison["ex_b_ci_low"], comparison["ex_b_ci_high"],
+                 "#888")][::-1]
+    fig, ax = plt.subplots(figsize=(5, 1.2 + 0.55 * len(rows)))
+    for i, (name, ex, lo, hi, color) in enumerate(rows):
+        # clamped: statsmodels' Wilson bound for k == n is 0.9999999999999999, and a negative xerr raises
+        ax.errorbar(100 * ex, i, xerr=[[max(0.0, 100 * (ex - lo))], [max(0.0, 100 * (hi - ex))]], fmt="o",
+                    color=color, capsize=5, markersize=7)
+        ax.annotate(f"{100 * ex:.1f}%  [{100 * lo:.1f}, {100 * hi:.1f}]", (100 * ex, i), xytext=(0, 7),
+                    textcoords="offset points", ha="center", fontsize=8)
+    lows, highs = [100 * r[2] for r in rows], [100 * r[3] for r in rows]
+    pad = max(2.0, 0.15 * (max(highs) - min(lows)))
+    ax.set_xlim(max(-2.0, min(lows) - pad), min(102.0, max(highs) + pad))  # room for a marker at 0 or 100
+    ax.set_ylim(-0.6, len(rows) - 0.3)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=9)
+    ax.set_xlabel("EX % (95% Wilson interval)" if not comparison else "EX % (Wilson interval at 1 − α)")
     if comparison:
-        bars.insert(0, ("baseline", comparison["ex_b"], comparison["ex_b_ci_low"], comparison["ex_b_ci_high"]))
-    fig, ax = plt.subplots(figsize=(4, 3))
-    for i, (name, ex, lo, hi) in enumerate(bars):
-        ax.bar(i, ex * 100, color="#8aa" if name == "baseline" else "#36c")
-        # clamped: statsmodels' Wilson bound for k == n is 0.9999999999999999, and a negative yerr raises
-        ax.errorbar(i, ex * 100, yerr=[[max(0.0, 100 * (ex - lo))], [max(0.0, 100 * (hi - ex))]], color="k",
-                    capsize=6)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
-    ax.set_ylabel("EX % (95% Wilson)")
-    ax.set_ylim(0, 100)
-    if comparison:
-        ax.set_title(f"{comparison['verdict']} (McNemar p={comparison['mcnemar_p']:.3g})", fontsize=9)
+        c = comparison
+        ax.set_title(f"{c['verdict']}: {100 * c['diff']:+.1f} points [{100 * c['diff_ci_low']:+.1f}, "
+                     f"{100 * c['diff_ci_high']:+.1f}], McNemar p = {c['mcnemar_p']:.3g}", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+CURVES = (("reward", "reward (mean per completion)"), ("reward_std", "reward std within groups"),
+          ("exec/frac_groups_correctness_varies", "groups with varying correctness"))
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def training_curves(log_history: list[dict]):
+    """GRPO's signal over steps: reward, reward std and the share of groups whose correctness varies, raw
+    (faint) and smoothed over ~1/10 of the run. None when the run logged none of them."""
+    plt = _pyplot()
+    series = {key: [(h["step"], h[key]) for h in log_history if isinstance(h.get(key), (int, float)) and "step" in h]
+              for key, _ in CURVES}
+    if not any(series.values()):
+        return None
+    steps = max(len(v) for v in series.values())
+    window = max(1, steps // 10)
+    fig, axes = plt.subplots(len(CURVES), 1, figsize=(6, 5.4), sharex=True)
+    for ax, (key, title) in zip(axes, CURVES):
+        points = series[key]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, color="#36c", alpha=0.25, linewidth=1)
+            ax.plot(xs, smooth(list(ys), window), color="#36c", linewidth=2)
+        ax.set_title(f"{title}  ({key})", fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel(f"step (thick: moving average over {window} step{'s' if window > 1 else ''})")
     fig.tight_layout()
     return fig

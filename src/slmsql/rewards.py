@@ -43,10 +43,9 @@ def telemetry(outs: list[Outcome], group_ids) -> dict[str, float]:
     *correctness* varies. A group of 0.0 and 0.1 rewards has reward std > 0 but teaches nothing about
     correctness; only groups with both right and wrong answers carry that signal."""
     n = len(outs)
-    m = {f"exec/{s}": sum(o.status == s and not o.correct for o in outs) / n
-         for s in ("ok", "error", "timeout", "truncated", "rejected", "no_sql")}
-    m["exec/wrong_result"] = m.pop("exec/ok")
-    m["exec/correct"] = sum(o.correct for o in outs) / n
+    names = [o.outcome for o in outs]
+    m = {f"exec/{s}": names.count(s) / n
+         for s in ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql")}
     groups: dict = {}
     for gid, o in zip(group_ids, outs):
         groups.setdefault(gid, set()).add(o.correct)
@@ -62,8 +61,8 @@ def execution_reward(prompts, completions, *, sql, db_path, executor, tiers: Tie
     if log_metric is not None:  # TRL >= 1.x hands reward functions its metric and completions-table sinks
         for name, value in telemetry(outs, id or prompts).items():
             log_metric(name, value)
-    if log_extra is not None:
-        log_extra("exec_status", ["correct" if o.correct else o.status for o in outs])
+    if log_extra is not None:  # the completions table's `status`: named as in the exec/<outcome> metrics
+        log_extra("status", [o.outcome for o in outs])
     return [execution_tier(o, tiers) for o in outs]
 
 

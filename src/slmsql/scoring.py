@@ -20,6 +20,16 @@ class Outcome:
     error: str | None = None
     pred_ms: float | None = None
 
+    @property
+    def outcome(self) -> str:
+        return outcome_name(self.correct, self.status)
+
+
+def outcome_name(correct: bool, status: str) -> str:
+    """The one name of an answer's outcome in metrics (`exec/<outcome>`) and tables (`status`): SQL that ran
+    is `correct` or `wrong_result`; otherwise the status (error, timeout, no_sql, missing, ...)."""
+    return "correct" if correct else ("wrong_result" if status == "ok" else status)
+
 
 def judge(items, executor, match: str = "bird") -> list[Outcome]:
     """items: (db_file, predicted sql or None, gold sql). Gold runs once per (db, sql) via the cache."""
@@ -70,16 +80,16 @@ def score_predictions(examples: list[Example], predictions: dict[str, dict], db_
 
 
 def ex_summary(results: list[dict], confidence: float = 0.95) -> dict:
-    """EX with its Wilson interval, per-difficulty EX, and the rate of each failure status."""
+    """EX with its Wilson interval, per-difficulty EX, and the share of each failure outcome (`exec/<outcome>`)."""
     from . import stats  # scipy/statsmodels: kept off the import path that sandbox workers re-run
 
     n = len(results)
     k = sum(r["correct"] for r in results)
     lo, hi = stats.wilson(k, n, confidence)
     m = {"ex": k / n, "n": n, "n_correct": k, "ex_ci_low": lo, "ex_ci_high": hi}
-    for s in (*STATUSES[1:], "missing"):
-        m[f"rate_{s}"] = sum(r["status"] == s for r in results) / n
-    m["rate_wrong_result"] = sum(r["status"] == "ok" and not r["correct"] for r in results) / n
+    outcomes_ = [outcome_name(r["correct"], r["status"]) for r in results]
+    for s in ("wrong_result", *STATUSES[1:], "missing"):  # `correct` is `ex`
+        m[f"exec/{s}"] = outcomes_.count(s) / n
     for d in sorted({r.get("difficulty") for r in results if r.get("difficulty")}):
         sub = [r for r in results if r.get("difficulty") == d]
         m[f"ex_{d}"] = sum(r["correct"] for r in sub) / len(sub)

@@ -13,7 +13,6 @@ A trainer arg that names an slmsql option (use the option: one value, one place)
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from .errors import SlmsqlError
@@ -21,8 +20,6 @@ from .errors import SlmsqlError
 OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run name (--run-name)",
          "report_to": "slmsql's own MLflow callback (report_to=mlflow would log ~224 params)",
          "logging_dir": "the staging folder"}
-SUMMARY_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
-                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time")
 
 
 def device_args() -> dict:
@@ -79,13 +76,17 @@ def metrics_callback():
     return MlflowMetrics()
 
 
-def completions_logger(output_dir: Path, every: int):
-    """Ship TRL's per-step completions parquet to MLflow as a table every `every` steps.
+def completions_logger(output_dir: Path, every: int, questions: dict | None = None, rewards: list[str] = ()):
+    """Ship TRL's per-step completions parquet to MLflow as a readable table every `every` steps
+    (`tables.completions_table`: question, extracted SQL, completion, gold SQL, status, rewards, advantage;
+    `questions` maps a prompt's key to its Example).
 
     TRL writes `completions/completions_<step>.parquet` only after the callbacks' on_log for that step, so
     each on_log ships the files that exist by then (the last one at the end-of-training log). A `.logged`
     marker keeps a resumed run from shipping a file twice: log_table appends to an existing artifact."""
     from transformers import TrainerCallback
+
+    from .tables import completions_table
 
     class CompletionsToMlflow(TrainerCallback):
         def _ship(self, state):
@@ -98,11 +99,8 @@ def completions_logger(output_dir: Path, every: int):
                 step, marker = int(path.stem.rsplit("_", 1)[1]), path.with_suffix(".logged")
                 if step % every or marker.exists():
                     continue
-                df = pd.read_parquet(path)
-                as_text = lambda v: v if isinstance(v, str) else json.dumps(  # noqa: E731
-                    v.tolist() if hasattr(v, "tolist") else v, default=str)  # chat turns arrive as arrays
-                df = df.assign(**{c: df[c].map(as_text) for c in ("prompt", "completion") if c in df})
-                mlflow.log_table(df, f"completions/step_{step:05d}.json")
+                table = completions_table(pd.read_parquet(path), questions or {}, list(rewards))
+                mlflow.log_table(table, f"completions/step_{step:05d}.json")
                 marker.touch()
 
         def on_log(self, args, state, control, **kwargs):
@@ -127,13 +125,26 @@ def quiet_progress(trainer) -> None:
 
 
 def summary_metrics(log_history: list[dict]) -> dict:
-    """Means over the run of the signals that separate 'no gradient signal' from 'signal, no gain'."""
+    """Means over the run of the signals that separate 'no gradient signal' from 'signal, no gain', as
+    `summary/<metric>` (tracking.SUMMARY_OF)."""
+    from .tracking import SUMMARY_OF
+
     out = {}
-    for key in SUMMARY_KEYS:
+    for key in SUMMARY_OF:
         vals = [h[key] for h in log_history if isinstance(h.get(key), (int, float))]
         if vals:
-            out[f"summary/{key.replace('/', '_')}"] = sum(vals) / len(vals)
+            out[f"summary/{key}"] = sum(vals) / len(vals)
     return out
+
+
+def save_policy(model, tokenizer, folder: Path) -> None:
+    """The trained policy and its tokenizer, without the README.md PEFT writes into an adapter folder: that
+    boilerplate ("More Information Needed") would pass for a model card; publish writes the real one."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    readme = Path(folder) / "README.md"
+    if readme.is_file() and "More Information Needed" in readme.read_text(encoding="utf-8", errors="replace"):
+        readme.unlink()
 
 
 def last_checkpoint(work: Path):

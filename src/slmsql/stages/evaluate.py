@@ -9,9 +9,9 @@ import logging
 import tempfile
 from pathlib import Path
 
-from .. import stats
+from .. import stats, tables
 from ..configs import EvaluateConfig
-from ..data import check_databases, read_gold, read_jsonl, read_predictions, safe_text, write_json, write_jsonl
+from ..data import check_databases, read_gold, read_jsonl, read_predictions, write_json, write_jsonl
 from ..errors import DataError, SlmsqlError
 from ..figures import ex_figure
 from ..outputs import Staged
@@ -21,24 +21,26 @@ from ..scoring import ex_summary, score_predictions
 log = logging.getLogger(__name__)
 
 
-def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> dict[str, bool]:
-    """The baseline run's per-example correctness, refused unless it scored the same questions the same way."""
+def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> tuple[object, dict[str, dict]]:
+    """The baseline run and its results.jsonl rows by id, refused unless it scored the same questions the same
+    way."""
     import mlflow
 
     from .. import tracking
 
-    tags = tracking.stage_run_of(mlflow.MlflowClient(), run_id, "evaluate", "baseline").data.tags
+    run = tracking.stage_run_of(mlflow.MlflowClient(), run_id, "evaluate", "baseline")
+    tags = run.data.tags
     for key, want in (("slmsql.dataset", dataset), ("slmsql.match", match)):
         if tags.get(key) != want:
             raise SlmsqlError(f"baseline run {run_id} has {key}={tags.get(key)!r}, this run {want!r}: "
                               "paired comparison needs the same dataset and match mode")
     with tempfile.TemporaryDirectory() as d:
         rows = read_jsonl(tracking.download(run_id, "results.jsonl", d))
-    correct = {str(r["id"]): bool(r["correct"]) for r in rows}
-    if sorted(correct) != sorted(gold_ids):
+    by_id = {str(r["id"]): r for r in rows}
+    if sorted(by_id) != sorted(gold_ids):
         raise SlmsqlError(f"baseline run {run_id} scored a different set of questions "
-                          f"({len(correct)} vs {len(gold_ids)} ids)")
-    return correct
+                          f"({len(by_id)} vs {len(gold_ids)} ids)")
+    return run, by_id
 
 
 def main(cfg: EvaluateConfig) -> dict:
@@ -54,14 +56,15 @@ def main(cfg: EvaluateConfig) -> dict:
     elif not cfg.model:
         raise DataError("give --predictions FILE or --model M")
     dataset = cfg.dataset_name or Path(cfg.data).stem
-    baseline = None
+    baseline = baseline_run = None
     if cfg.baseline_run:  # checked before any model loads
         tracking.configure()
-        baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
+        baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
-    with st, tracking.stage_run("evaluate", cfg, tags=tags):
+    with st, tracking.stage_run("evaluate", cfg, tags=tags) as run:
         work = st.work
+        tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         if not cfg.predictions:
             from ..generation import predict  # heavy imports (torch, transformers) only when generating
             from ..models import load_model
@@ -74,10 +77,10 @@ def main(cfg: EvaluateConfig) -> dict:
         metrics = ex_summary(results)
         comparison = None
         if baseline is not None:
-            comparison = stats.compare([r["correct"] for r in results], [baseline[r["id"]] for r in results],
-                                       alpha=cfg.alpha)
+            comparison = stats.compare([r["correct"] for r in results],
+                                       [bool(baseline[r["id"]]["correct"]) for r in results], alpha=cfg.alpha)
             metrics["comparison"] = {"baseline_run": cfg.baseline_run, **comparison}
-            mlflow.log_metrics({f"vs_baseline_{k}": v for k, v in tracking.numeric(comparison).items()})
+            mlflow.log_metrics(tracking.comparison_metrics(comparison))
             mlflow.set_tags({"slmsql.baseline_run": cfg.baseline_run, "slmsql.verdict": comparison["verdict"]})
             log.info("vs baseline: %+.1f points, McNemar p=%.3g -> %s", 100 * comparison["diff"],
                      comparison["mcnemar_p"], comparison["verdict"])
@@ -87,13 +90,16 @@ def main(cfg: EvaluateConfig) -> dict:
         write_jsonl(work / "results.jsonl", results)
         write_json(work / "metrics.json", metrics)
         mlflow.log_metrics(tracking.numeric(metrics))
-        mlflow.log_figure(ex_figure(metrics, comparison, cfg.run_name or "this run"), "ex_intervals.png")
+        names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
+        mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
+        tracking.describe(tracking.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
                  100 * metrics["ex_ci_low"], 100 * metrics["ex_ci_high"], metrics["n"], dataset, cfg.match)
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):
             if (work / name).exists():
                 mlflow.log_artifact(str(work / name))
-        import pandas as pd
-
-        mlflow.log_table(pd.DataFrame(safe_text(results)).astype({"pred_ms": "float64"}), "results_table.json")
+        mlflow.log_table(tables.evaluation_table(examples, results), "results_table.json")
+        if baseline is not None:  # the questions behind McNemar's test: only one side got them right
+            mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),
+                             "disagreements_table.json")
     return metrics

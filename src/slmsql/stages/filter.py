@@ -14,7 +14,7 @@ import logging
 import os
 
 from ..configs import FilterConfig
-from ..data import db_path, dumps, read_gold, safe_text, write_json, write_jsonl
+from ..data import db_path, dumps, read_gold, write_json, write_jsonl
 from ..errors import DataError, SlmsqlError
 from ..outputs import Staged
 from ..figures import histogram_figure
@@ -27,7 +27,6 @@ RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p
 
 def main(cfg: FilterConfig) -> dict:
     import mlflow
-    import pandas as pd
     from tqdm import tqdm
 
     from .. import datachecks, tracking
@@ -49,7 +48,7 @@ def main(cfg: FilterConfig) -> dict:
 
     # model, sandbox, then sample chunk by chunk
     tags = {"slmsql.model": cfg.model, "slmsql.adapter": cfg.adapter}
-    with st, tracking.stage_run("filter", cfg, tags=tags, run_id=st.run_id) as run:
+    with st, tracking.stage_run("filter", cfg, tags=tags, run_id=st.run_id, system_metrics=True) as run:
         st.bind(run.info.run_id)
         work, out = st.work, st.out
         done = load_finished(work / "passrates.jsonl", examples)
@@ -77,7 +76,7 @@ def main(cfg: FilterConfig) -> dict:
                     n = sum(o.correct for o in outs)
                     rows.append({**row, "n_correct": n, "pass_rate": n / cfg.k,
                                  "bucket": bucket(n, cfg.k, cfg.low, cfg.high),
-                                 "statuses": [("correct" if o.correct else o.status) for o in outs]})
+                                 "statuses": [o.outcome for o in outs]})
                 sink.write("".join(dumps(r) + "\n" for r in rows))
                 sink.flush()
                 os.fsync(sink.fileno())
@@ -100,9 +99,9 @@ def main(cfg: FilterConfig) -> dict:
         mlflow.log_figure(histogram_figure(summary), "pass_rate_histogram.png")
         for name in ("band.jsonl", "passrates.jsonl", "summary.json"):
             mlflow.log_artifact(str(work / name))
-        if band:
-            mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame(safe_text(band)), source=str(out / "band.jsonl"),
-                                                     name="rl_band"), context="output")
+        if band:  # named as GRPO names its input: one name for one dataset
+            tracking.log_dataset(band, "rl", out / "band.jsonl", context="output")
+        tracking.describe(tracking.filter_note(summary))
         report = datachecks.run_rl_check(work / "band.jsonl", cfg.db_root, work / "summary.json", cfg.low, cfg.high)
         tracking.log_json(report.to_json(), "data_check/rl.json")
         mlflow.log_metric("data_check_success", float(report.success))

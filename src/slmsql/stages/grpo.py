@@ -34,11 +34,10 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
 
 def main(cfg: GRPOStageConfig) -> dict:
     import mlflow
-    import pandas as pd
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from .. import rewards, tracking, training
+    from .. import figures, rewards, tables, tracking, training
     from ..models import check_adapter_base, load_model
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -59,7 +58,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter,
             "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else "none"}
 
-    with st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id) as run, \
+    with st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id, system_metrics=True) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
         work = st.work
@@ -67,8 +66,7 @@ def main(cfg: GRPOStageConfig) -> dict:
         builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
-        mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame([e.to_json() for e in examples]),
-                                                 source=cfg.data, name="rl"), context="training")
+        tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
@@ -88,19 +86,23 @@ def main(cfg: GRPOStageConfig) -> dict:
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                               peft_config=peft_config,
                               callbacks=[training.metrics_callback(),
-                                         training.completions_logger(work, cfg.completions_every)])
+                                         training.completions_logger(work, cfg.completions_every, {
+                                             tables.prompt_key(r["prompt"]): e for r, e in zip(rows, examples)},
+                                             cfg.rewards)])
         training.quiet_progress(trainer)
         t0 = time.time()
         trainer.train(resume_from_checkpoint=training.last_checkpoint(work) if cfg.resume else None)
 
         # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run
         final = work / "adapter"
-        trainer.model.save_pretrained(final)
-        tokenizer.save_pretrained(final)
+        training.save_policy(trainer.model, tokenizer, final)
         write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
         summary = {**training.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step}
         mlflow.log_metrics(summary)
+        tracking.describe(tracking.grpo_note(summary))
+        if (curves := figures.training_curves(trainer.state.log_history)) is not None:
+            mlflow.log_figure(curves, "training_curves.png")
         mlflow.log_artifacts(str(final), "adapter")
         write_json(work / "summary.json", summary)
         mlflow.log_artifact(str(work / "summary.json"))

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from ..configs import PipelineConfig
+from ..tracking import artifact_cache, param_value
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
@@ -48,7 +49,8 @@ class Steps:
             [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
             f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
         for run in runs:
-            if all(run.data.params.get(k) == str(v) for k, v in params.items() if k != "overwrite"):
+            # as stage_run logged them: empty options absent, fetched artifacts as run URIs
+            if all(run.data.params.get(k, "") == param_value(v) for k, v in params.items() if k != "overwrite"):
                 return run
         return None
 
@@ -71,7 +73,7 @@ class Steps:
         """A step's output, fetched by run URI into a stable folder (a stable path keeps reuse matching)."""
         import mlflow
 
-        dst = self.out / "from-runs" / run.info.run_id
+        dst = artifact_cache(self.out, run.info.run_id)  # logged by the next step as runs:/<id>/<path>
         if (dst / path).exists():
             return str(dst / path)
         dst.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,7 @@ def main(cfg: PipelineConfig) -> dict:
         grpo = s.run("grpo", "grpo", model=policy, data=s.artifact(filt, "band.jsonl"), db_root=dbs)
         adapter = s.artifact(grpo, "adapter")
         evals = {}
-        for split in ("dev", "dev_cross"):
+        for split in SPLITS:
             data = str(world / f"{split}.jsonl")
             base = s.run("evaluate", f"eval-sft-{split}", model=policy, data=data, db_root=dbs,
                          dataset_name=f"toy-{split}")
@@ -109,37 +111,48 @@ def main(cfg: PipelineConfig) -> dict:
                                  db_root=dbs, dataset_name=f"toy-{split}", baseline_run=base.info.run_id)
             evals[f"sft-{split}"] = base
         s.run("publish", "publish", grpo_run=grpo.info.run_id, filter_run=filt.info.run_id,
-                     eval_runs=",".join(evals[x].info.run_id for x in ("dev", "dev_cross")),
+                     eval_runs=",".join(evals[x].info.run_id for x in SPLITS),
                      repo_id=cfg.repo_id, dry_run="true")
         headline = headline_numbers(filt, grpo, evals)
-        mlflow.log_metrics(tracking.numeric(headline))
-        print_headline(headline, s.out / "publish" / "README.md")
-    return headline
+        verdicts = {split: evals[split].data.tags.get("slmsql.verdict") for split in SPLITS}
+        tracking.log_headline(headline, verdicts)
+        print_headline(headline, verdicts, s.out / "publish" / "README.md", tracking.ui_link(s.experiment_id))
+    return {**headline, **{f"verdict/{k}": v for k, v in verdicts.items()}}
+
+
+SPLITS = ("dev", "dev_cross")
+HEADLINE = {  # step -> the metrics of it the parent run carries, as `<step>/<metric>` (tracking.VOCABULARY)
+    "filter": ("n_source", "band", "all_fail", "all_pass", "out_of_band", "errors"),
+    "grpo": ("summary/frac_reward_zero_std", "summary/reward_std", "summary/exec/frac_groups_correctness_varies"),
+    "eval-sft": ("ex",),
+    "eval-grpo": ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline/diff", "vs_baseline/diff_ci_low",
+                  "vs_baseline/diff_ci_high", "vs_baseline/p"),
+}
 
 
 def headline_numbers(filt, grpo, evals) -> dict:
-    m = lambda run, k: run.data.metrics.get(k)  # noqa: E731
-    out = {f"filter_{k}": m(filt, k) for k in ("band", "all_fail", "all_pass", "out_of_band", "errors")}
-    out.update({k: m(grpo, f"summary/{k}") for k in ("frac_reward_zero_std", "reward_std",
-                                                       "exec_frac_groups_correctness_varies")})
-    for split in ("dev", "dev_cross"):
-        out[f"sft_ex_{split}"] = m(evals[f"sft-{split}"], "ex")
-        out[f"grpo_ex_{split}"] = m(evals[split], "ex")
-        out[f"mcnemar_p_{split}"] = m(evals[split], "vs_baseline_mcnemar_p")
-        out[f"verdict_{split}"] = evals[split].data.tags.get("slmsql.verdict")
-    return out
+    steps = {"filter": filt, "grpo": grpo}
+    for split in SPLITS:
+        steps[f"eval-sft-{split}"], steps[f"eval-grpo-{split}"] = evals[f"sft-{split}"], evals[split]
+    return {f"{name}/{k}": run.data.metrics[k] for name, run in steps.items()
+            for k in HEADLINE[name.rsplit("-", 1)[0] if name.startswith("eval-") else name]
+            if k in run.data.metrics}
 
 
-def print_headline(h: dict, card: Path) -> None:
+def print_headline(h: dict, verdicts: dict, card: Path, link: str) -> None:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    f = lambda k: h.get(k, float("nan"))  # noqa: E731
     lines = ["", "slmsql lifecycle (embedded toy default) finished", "",
-             f"  filter buckets : band {h['filter_band']:.0f}, all-fail {h['filter_all_fail']:.0f}, all-pass "
-             f"{h['filter_all_pass']:.0f}, out-of-band {h['filter_out_of_band']:.0f}, errors {h['filter_errors']:.0f}",
-             f"  GRPO telemetry : frac_reward_zero_std {h['frac_reward_zero_std']:.2f}, reward_std "
-             f"{h['reward_std']:.2f}, groups with varying correctness {h['exec_frac_groups_correctness_varies']:.2f}"]
-    for split in ("dev", "dev_cross"):
-        lines.append(f"  EX {split:<10}: SFT {pct(h[f'sft_ex_{split}'])} -> GRPO {pct(h[f'grpo_ex_{split}'])}  "
-                     f"(McNemar p={h[f'mcnemar_p_{split}']:.3g}: {h[f'verdict_{split}']})")
+             f"  filter buckets : band {f('filter/band'):.0f}, all-fail {f('filter/all_fail'):.0f}, all-pass "
+             f"{f('filter/all_pass'):.0f}, out-of-band {f('filter/out_of_band'):.0f}, errors {f('filter/errors'):.0f}",
+             f"  GRPO telemetry : frac_reward_zero_std {f('grpo/summary/frac_reward_zero_std'):.2f}, reward_std "
+             f"{f('grpo/summary/reward_std'):.2f}, groups with varying correctness "
+             f"{f('grpo/summary/exec/frac_groups_correctness_varies'):.2f}"]
+    for split in SPLITS:
+        lines.append(f"  EX {split:<10}: SFT {pct(h.get(f'eval-sft-{split}/ex'))} -> GRPO "
+                     f"{pct(h.get(f'eval-grpo-{split}/ex'))}  (McNemar p={f(f'eval-grpo-{split}/vs_baseline/p'):.3g}: "
+                     f"{verdicts[split]})")
     lines += ["", f"  model card     : {card}",
-              "  MLflow UI      : .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (or your server)", ""]
+              "  MLflow UI      : .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (or your server),",
+              f"                   then open {link}", ""]
     print("\n".join(lines), flush=True)

@@ -139,5 +139,6 @@ def main(cfg: PublishConfig) -> dict:
             if name:
                 result.update(register(name, cfg, hub))
         tracking.log_json(result, "publish.json")
+        tracking.describe(tracking.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
     return result

@@ -27,7 +27,6 @@ def conversations(cfg, examples) -> list[dict]:
 
 def main(cfg: SFTStageConfig) -> dict:
     import mlflow
-    import pandas as pd
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -45,12 +44,11 @@ def main(cfg: SFTStageConfig) -> dict:
         warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
         gradient_checkpointing=False, dataloader_num_workers=0)
 
-    with st, tracking.stage_run(
-            "sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter}):
+    with st, tracking.stage_run("sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter},
+                                system_metrics=True):
         # data
         train = Dataset.from_list(conversations(cfg, examples))
-        frame = pd.DataFrame([e.to_json() for e in examples])
-        mlflow.log_input(mlflow.data.from_pandas(frame, source=cfg.data, name="sft"), context="training")
+        tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
         # model
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
@@ -67,15 +65,15 @@ def main(cfg: SFTStageConfig) -> dict:
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way
         if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
             (work / "checkpoints").rmdir()
-        trainer.model.save_pretrained(work)
         tokenizer.padding_side = "left"
-        tokenizer.save_pretrained(work)
+        training.save_policy(trainer.model, tokenizer, work)
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step, "examples": len(examples),
                    "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
         write_json(work / "sft_summary.json", summary)
         mlflow.log_metrics(tracking.numeric(summary))
         mlflow.set_tag("slmsql.policy_kind", summary["kind"])
+        tracking.describe(tracking.sft_note(summary, cfg.model))
         for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
             if f.is_file():
                 mlflow.log_artifact(str(f), "policy")

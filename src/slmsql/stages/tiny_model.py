@@ -58,5 +58,6 @@ def main(cfg: TinyModelConfig) -> dict:
         mlflow.log_metrics(info)
         write_json(work / "tiny_model.json", info)
         mlflow.log_artifacts(str(work), "model")
+        tracking.describe(tracking.tiny_model_note(info, cfg))
     log.info("tiny model: %d parameters, vocab %d -> %s", n_params, info["vocab_size"], cfg.output_dir)
     return info

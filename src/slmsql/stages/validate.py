@@ -32,6 +32,7 @@ def main(cfg) -> Report:
         mlflow.log_metrics({"n_expectations": len(report.results), "n_failed": len(report.failed),
                             "success": float(report.success), "n_rows": report.n_rows,
                             "gx_seconds": report.gx_seconds})
+        tracking.describe(tracking.validate_note(report))
         if not report.success:
             raise SlmsqlError(report.failure_message(st.out / "validation.md"))
     return report

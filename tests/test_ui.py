@@ -1,0 +1,254 @@
+"""What a person sees in the MLflow UI: run and experiment descriptions, one metric vocabulary (documented in
+the README), readable tables, dataset inputs, params without empty options or fetched-artifact paths, figures.
+
+The evaluation runs here score the bundled example predictions (no model): seconds. The training and sampling
+stages are checked where their tests already run them (test_grpo, test_filter, test_sft_evaluate, test_pipeline),
+and `conftest._documented_metrics_only` fails any test whose stage logs an undocumented metric name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import pytest
+
+from slmsql import configs, figures, tables, tracking
+from slmsql.stages import evaluate
+
+ROOT = Path(__file__).parents[1]
+EXAMPLES = ROOT / "examples"
+RUN_ID = "0123456789abcdef0123456789abcdef"
+
+
+def _eval(tmp: Path, name: str, **over):
+    cfg = configs.load(configs.EvaluateConfig, None, {
+        "data": str(EXAMPLES / "gold.jsonl"), "db_root": str(EXAMPLES / "databases"), "workers": 1,
+        "output_dir": str(tmp / name), "run_name": name, **over})
+    evaluate.main(cfg)
+    client = mlflow.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
+                                f"attributes.run_name = '{name}'")
+    return run
+
+
+@pytest.fixture(scope="module")
+def paired(tmp_path_factory):
+    """The example predictions (4 of 10 right), then the gold SQL as predictions (10 of 10) against them as
+    baseline; the gold file as the pipeline fetches it from a run (under from-runs/<run id>/)."""
+    from policy import tracking_store
+
+    tmp = tmp_path_factory.mktemp("ui")
+    fetched = tmp / "out" / tracking.FROM_RUNS / RUN_ID / "toy"
+    fetched.mkdir(parents=True)
+    shutil.copy(EXAMPLES / "gold.jsonl", fetched / "gold.jsonl")
+    oracle = tmp / "oracle.jsonl"
+    oracle.write_text("".join(json.dumps({"id": r["id"], "sql": r["sql"]}) + "\n"
+                              for r in map(json.loads, (EXAMPLES / "gold.jsonl").read_text().splitlines())))
+    with tracking_store(f"sqlite:///{tmp}/mlflow.db"):
+        base = _eval(tmp, "examples", predictions=str(EXAMPLES / "predictions.jsonl"), data=str(fetched / "gold.jsonl"))
+        best = _eval(tmp, "oracle", predictions=str(oracle), baseline_run=base.info.run_id,
+                     data=str(fetched / "gold.jsonl"))
+        client = mlflow.MlflowClient()
+        exp = client.get_experiment_by_name("slmsql")
+        tables_ = {(r, t): json.loads(Path(client.download_artifacts(r.info.run_id, t, str(tmp / "dl" / r.info.run_id)))
+                                      .read_text())
+                   for r, t in ((base, "results_table.json"), (best, "results_table.json"),
+                                (best, "disagreements_table.json"))}
+    return SimpleNamespace(base=base, best=best, exp=exp, uri=f"sqlite:///{tmp}/mlflow.db",
+                           tables={(r.info.run_name, t): v for (r, t), v in tables_.items()})
+
+
+def rows(table: dict) -> list[dict]:
+    return [dict(zip(table["columns"], r)) for r in table["data"]]
+
+
+# ---- descriptions -----------------------------------------------------------------------------------------
+
+def test_evaluation_descriptions_state_the_result(paired):
+    base, best = paired.base, paired.best
+    # 4 of 10 right: the Wilson 95% interval of 0.4 at n = 10 is [0.1682, 0.6873]
+    assert base.data.tags[tracking.NOTE] == \
+        "EX 40.0% (95% Wilson interval 16.8% to 68.7%) on 10 questions of gold, bird match."
+    note = best.data.tags[tracking.NOTE]
+    assert note.startswith("EX 100.0% (95% Wilson interval 72.2% to 100.0%)")  # 10 of 10: [0.7225, 1]
+    # 6 questions only the oracle got right, none only the baseline: exact McNemar p = 2 / 2**6 = 0.03125
+    assert "\nvs examples: 40.0% → 100.0%, +60.0 points (95% interval " in note
+    assert "McNemar p = 0.03: improved at α = 0.05. 6 questions only this run got right, 0 only the baseline." in note
+    assert not re.search(r"\]\s*\(", note)  # Markdown would render "[a, b] (c)" as a link
+
+
+def test_experiment_has_a_description(paired):
+    assert "Metric vocabulary" in paired.exp.tags[tracking.NOTE]
+
+
+# ---- metric vocabulary --------------------------------------------------------------------------------------
+
+def test_readme_documents_the_vocabulary():
+    readme = (ROOT / "README.md").read_text()
+    assert tracking.vocabulary_markdown() in readme, (
+        "README's metric table is out of date: paste the output of "
+        "`python -c 'from slmsql.tracking import vocabulary_markdown as v; print(v())'`")
+
+
+def test_vocabulary_names_what_runs_log(paired):
+    base, best = paired.base, paired.best
+    assert not [k for k in best.data.metrics if not tracking.documented(k, "evaluate")]
+    # the comparison names its sides, and this run's own EX is not logged twice
+    assert best.data.metrics["vs_baseline/only_this_right"] == 6
+    assert best.data.metrics["vs_baseline/only_baseline_right"] == 0
+    assert best.data.metrics["vs_baseline/p"] == pytest.approx(2 / 2 ** 6)
+    assert best.data.metrics["baseline/ex"] == base.data.metrics["ex"] == 0.4
+    assert best.data.metrics["vs_baseline/diff"] == pytest.approx(0.6)
+    assert not [k for k in best.data.metrics if "ex_a" in k or k.startswith("vs_baseline_")]
+    # outcomes named as tables name them: a query that ran and returned other rows is `wrong_result`
+    assert base.data.metrics["exec/wrong_result"] == pytest.approx(0.1)  # q3: ran, other rows
+    assert base.data.metrics["exec/missing"] == pytest.approx(0.1)  # q10
+
+
+@pytest.mark.parametrize("name, stage, ok", [
+    ("ex", "evaluate", True), ("ex", "grpo", False), ("ex_moderate", "evaluate", True),
+    ("exec/wrong_result", "grpo", True), ("exec/ok", "grpo", False), ("summary/exec/correct", "grpo", True),
+    ("summary/exec_correct", "grpo", False), ("rewards/execution/mean", "grpo", True), ("clip_ratio/low_mean", "grpo", True),
+    ("mean_token_accuracy", "sft", True), ("system/cpu_utilization_percentage", "filter", True),
+    ("out_of_band_1_of_8", "filter", True), ("eval-grpo-dev/vs_baseline/p", "pipeline", True),
+    ("eval-sft-dev_cross/ex", "pipeline", True), ("grpo/summary/exec/frac_groups_correctness_varies", "pipeline", True),
+    ("filter/band", "pipeline", True), ("sft_ex_dev", "pipeline", False), ("eval-grpo-dev/vs_baseline_ex_a", "pipeline", False),
+    ("vs_baseline_only_a", None, False), ("rate_error", None, False), ("vs_baseline/only_a", None, False),
+])
+def test_documented(name, stage, ok):
+    assert tracking.documented(name, stage) is ok
+
+
+def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypatch):
+    from policy import tracking_store
+
+    from slmsql import scoring
+
+    summary = scoring.ex_summary
+    monkeypatch.setattr(evaluate, "ex_summary", lambda results: {**summary(results), "ex_a": 0.5})
+    with tracking_store(paired.uri), \
+            pytest.raises(AssertionError, match=r"evaluate logged metric\(s\) \['ex_a'\] that are not in"):
+        _eval(tmp_path, "undocumented", predictions=str(EXAMPLES / "predictions.jsonl"))
+
+
+# ---- tables ---------------------------------------------------------------------------------------------
+
+def test_evaluation_table_reads_as_questions_and_sql(paired):
+    table = paired.tables[("examples", "results_table.json")]
+    assert table["columns"] == ["id", "db_id", "difficulty", "question", "gold_sql", "predicted_sql", "status",
+                                "correct", "error"]
+    by_id = {r["id"]: r for r in rows(table)}
+    assert by_id["q1"]["question"] == "How many customers are there?" and by_id["q1"]["correct"] is True
+    assert by_id["q3"]["status"] == "wrong_result" and "'home'" in by_id["q3"]["predicted_sql"]
+    assert (by_id["q5"]["status"], by_id["q6"]["status"], by_id["q10"]["status"]) == ("error", "no_sql", "missing")
+    assert by_id["q2"]["predicted_sql"] == "SELECT name FROM customer WHERE city = 'Berlin'"  # extracted from prose
+    assert "ok" not in {r["status"] for r in by_id.values()}
+
+
+def test_disagreements_table_lists_the_discordant_questions(paired):
+    base = {r["id"]: r for r in rows(paired.tables[("examples", "results_table.json")])}
+    table = paired.tables[("oracle", "disagreements_table.json")]
+    assert table["columns"] == ["id", "question", "right", "gold_sql", "predicted_sql", "status", "baseline_sql",
+                                "baseline_status"]
+    got = rows(table)
+    assert {r["id"] for r in got} == {i for i, r in base.items() if not r["correct"]}  # the oracle is never wrong
+    assert {r["right"] for r in got} == {"oracle"}  # named by run name
+    assert {r["id"]: r["baseline_status"] for r in got} == {i: base[i]["status"] for i in base if not base[i]["correct"]}
+
+
+def test_completions_table_is_readable():
+    """TRL's completions frame (chat turns as arrays, float32 rewards) -> question, SQL, outcome, rounded numbers."""
+    import numpy as np
+    import pandas as pd
+
+    from slmsql.data import Example
+
+    ex = Example("q1", "shop", "How many customers?", "SELECT COUNT(*) FROM customer")
+    prompt = [{"role": "system", "content": "You write SQL."}, {"role": "user", "content": "schema\nHow many customers?"}]
+    df = pd.DataFrame({"step": [2, 2], "prompt": [np.array(prompt, dtype=object)] * 2,
+                       "completion": [np.array([{"role": "assistant", "content": "```sql\nSELECT 1\n```"}], dtype=object),
+                                      np.array([{"role": "assistant", "content": "no idea"}], dtype=object)],
+                       "execution": np.array([0.1, 0.0], dtype=np.float32),
+                       "format": np.array([0.2, 0.0], dtype=np.float32), "status": ["wrong_result", "no_sql"],
+                       "advantage": np.array([0.7071068, -0.7071068], dtype=np.float32)})
+    table = tables.completions_table(df, {tables.prompt_key(prompt): ex}, ["execution", "format"])
+    assert list(table.columns) == ["step", "id", "question", "sql", "completion", "gold_sql", "status", "execution",
+                                   "format", "advantage"]
+    first, second = table.to_dict("records")
+    assert (first["question"], first["gold_sql"], first["sql"]) == (ex.question, ex.sql, "SELECT 1")
+    assert first["completion"] == "```sql\nSELECT 1\n```" and pd.isna(second["sql"])
+    assert (first["format"], first["execution"], first["advantage"]) == (0.2, 0.1, 0.7071)  # not 0.200000003
+
+
+# ---- lineage: dataset inputs and params -----------------------------------------------------------------------
+
+def test_evaluation_logs_its_dataset_input(paired):
+    inputs = [r.inputs.dataset_inputs for r in (paired.base, paired.best)]
+    for (inp,) in inputs:
+        assert inp.dataset.name == "gold" and [t.value for t in inp.tags if t.key == "mlflow.data.context"] == \
+            ["evaluation"]
+        assert json.loads(inp.dataset.profile)["num_rows"] == 10
+    assert inputs[0][0].dataset.digest == inputs[1][0].dataset.digest  # the same file: one name, one digest
+    # fetched by the pipeline from a run: the source is that run's artifact, not this machine's path
+    assert json.loads(inputs[0][0].dataset.source)["uri"] == f"runs:/{RUN_ID}/toy/gold.jsonl"
+
+
+def test_params_hold_run_uris_and_no_empty_options(paired):
+    for run in (paired.base, paired.best):
+        assert run.data.params["data"] == f"runs:/{RUN_ID}/toy/gold.jsonl"
+        assert "" not in run.data.params.values()
+        assert not {"adapter", "model", "dataset_name"} & set(run.data.params)  # empty: not logged
+
+
+def test_param_value_and_to_params():
+    assert tracking.param_value(f"/x/outputs/{tracking.FROM_RUNS}/{RUN_ID}/policy") == f"runs:/{RUN_ID}/policy"
+    assert tracking.param_value(f"/x/{tracking.FROM_RUNS}/{RUN_ID}") == f"runs:/{RUN_ID}"
+    assert tracking.param_value("/x/outputs/sft") == "/x/outputs/sft"
+    assert tracking.param_value(f"/x/{tracking.FROM_RUNS}/not-a-run-id/policy") == f"/x/{tracking.FROM_RUNS}/not-a-run-id/policy"
+    params = configs.to_params(configs.GRPOStageConfig())
+    assert "adapter_mode" not in params and "base_adapter" not in params and "reward_weights" not in params
+    params = configs.to_params(configs.GRPOStageConfig(base_adapter="a", adapter_mode="stack"))
+    assert params["adapter_mode"] == "stack"
+
+
+# ---- figures --------------------------------------------------------------------------------------------
+
+def test_ex_figure_fits_the_axis_and_names_both_runs():
+    metrics = {"ex": 0.40, "ex_ci_low": 0.36, "ex_ci_high": 0.44}
+    comparison = {"ex_a": 0.40, "ex_a_ci_low": 0.36, "ex_a_ci_high": 0.44, "ex_b": 0.37, "ex_b_ci_low": 0.33,
+                  "ex_b_ci_high": 0.41, "diff": 0.03, "diff_ci_low": -0.01, "diff_ci_high": 0.07, "mcnemar_p": 0.2,
+                  "verdict": "no significant difference"}
+    fig = figures.ex_figure(metrics, comparison, "eval-grpo-dev", "eval-sft-dev")
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    assert 25 < lo < 33 and 44 < hi < 55  # fitted to [33, 44], not 0-100
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eval-sft-dev", "eval-grpo-dev"]
+    assert "+3.0 points" in ax.get_title() and "no significant difference" in ax.get_title()
+
+
+def test_histogram_legend_names_every_colour():
+    summary = {"k": 8, "low": 0.2, "high": 0.8, "histogram": {f"{i}/8": 10 - i for i in range(9)}}
+    ax = figures.histogram_figure(summary).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["band 0.2 < p < 0.8 (RL data)", "all fail 0/8, all pass 8/8", "out of band"]
+    bars = [tuple(p.get_facecolor()) for p in ax.patches]
+    legend = [tuple(h.get_facecolor()) for h in ax.get_legend().legend_handles]
+    # 0/8 and 8/8 share the ends' colour, 1/8 and 7/8 the out-of-band colour, 2/8..6/8 the band's
+    assert bars == [legend[1], legend[2], *[legend[0]] * 5, legend[2], legend[1]]
+
+
+def test_training_curves_smooth_over_steps():
+    assert figures.smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    history = [{"step": s, "reward": 0.1 * s, "reward_std": 0.2, "exec/frac_groups_correctness_varies": 0.5}
+               for s in range(1, 21)] + [{"step": 20, "train_loss": 0.1}]
+    fig = figures.training_curves(history)
+    assert [re.search(r"\(([^()]+)\)$", ax.get_title(loc="left"))[1] for ax in fig.axes] == \
+        ["reward", "reward_std", "exec/frac_groups_correctness_varies"]
+    raw, smoothed = fig.axes[0].get_lines()
+    assert list(smoothed.get_ydata())[:3] == pytest.approx([0.1, 0.15, 0.25])  # window 20 // 10 = 2
+    assert figures.training_curves([{"step": 1, "loss": 1.0}]) is None
