@@ -268,6 +268,10 @@ def test_cli_validate_exits_0_on_good_and_2_on_bad(tmp_path, world):
     assert list(runs["metrics.success"]) == [1.0, 0.0]
     assert list(runs["metrics.n_failed"]) == [0.0, 1.0]
     assert list(runs["status"]) == ["FINISHED", "FAILED"]
+    n = len(json.loads((tmp_path / "good" / "validation.json").read_text())["results"])
+    assert list(runs["tags.mlflow.note.content"]) == [  # the description states the verdict, failed or not
+        f"rl data check PASSED: all {n} expectations on {len(world['band'])} rows of band.jsonl.",
+        f"rl data check FAILED: 1 of {n} expectations (pass_rate_in_band) on {len(world['band'])} rows of band.jsonl."]
     client = mlflow.MlflowClient()
     for run_id in runs["run_id"]:
         assert {a.path for a in client.list_artifacts(run_id)} == {"validation.json", "validation.md"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ import mlflow
 import pytest
 
 from slmsql import configs, figures, tables, tracking
+from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate
 
 ROOT = Path(__file__).parents[1]
@@ -25,11 +25,19 @@ EXAMPLES = ROOT / "examples"
 RUN_ID = "0123456789abcdef0123456789abcdef"
 
 
-def _eval(tmp: Path, name: str, **over):
-    cfg = configs.load(configs.EvaluateConfig, None, {
-        "data": str(EXAMPLES / "gold.jsonl"), "db_root": str(EXAMPLES / "databases"), "workers": 1,
-        "output_dir": str(tmp / name), "run_name": name, **over})
-    evaluate.main(cfg)
+def _eval(tmp: Path, name: str, *args: str) -> object:
+    """`slmsql evaluate` through the CLI (which fetches runs:/ options), with the examples' gold by default."""
+    from click.testing import CliRunner
+
+    from slmsql.cli import main
+
+    if "--data" not in args:
+        args += ("--data", str(EXAMPLES / "gold.jsonl"), "--db-root", str(EXAMPLES / "databases"))
+    result = CliRunner().invoke(main, ["evaluate", "--workers", "1", "--output-dir", str(tmp / name),
+                                       "--run-name", name, *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    assert result.exit_code == 0, result.output
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
                                 f"attributes.run_name = '{name}'")
@@ -39,27 +47,29 @@ def _eval(tmp: Path, name: str, **over):
 @pytest.fixture(scope="module")
 def paired(tmp_path_factory):
     """The example predictions (4 of 10 right), then the gold SQL as predictions (10 of 10) against them as
-    baseline; the gold file as the pipeline fetches it from a run (under from-runs/<run id>/)."""
+    baseline. The gold file and databases are given as artifacts of a run (runs:/<id>/...), as the pipeline
+    passes a step's inputs."""
     from policy import tracking_store
 
     tmp = tmp_path_factory.mktemp("ui")
-    fetched = tmp / "out" / tracking.FROM_RUNS / RUN_ID / "toy"
-    fetched.mkdir(parents=True)
-    shutil.copy(EXAMPLES / "gold.jsonl", fetched / "gold.jsonl")
     oracle = tmp / "oracle.jsonl"
     oracle.write_text("".join(json.dumps({"id": r["id"], "sql": r["sql"]}) + "\n"
                               for r in map(json.loads, (EXAMPLES / "gold.jsonl").read_text().splitlines())))
     with tracking_store(f"sqlite:///{tmp}/mlflow.db"):
-        base = _eval(tmp, "examples", predictions=str(EXAMPLES / "predictions.jsonl"), data=str(fetched / "gold.jsonl"))
-        best = _eval(tmp, "oracle", predictions=str(oracle), baseline_run=base.info.run_id,
-                     data=str(fetched / "gold.jsonl"))
         client = mlflow.MlflowClient()
+        source = client.create_run(client.create_experiment("sources", artifact_location=str(tmp / "art"))).info.run_id
+        client.log_artifact(source, str(EXAMPLES / "gold.jsonl"), "world")
+        client.log_artifacts(source, str(EXAMPLES / "databases"), "world/databases")
+        inputs = ("--data", f"runs:/{source}/world/gold.jsonl", "--db-root", f"runs:/{source}/world/databases")
+        base = _eval(tmp / "out", "examples", "--predictions", str(EXAMPLES / "predictions.jsonl"), *inputs)
+        best = _eval(tmp / "out", "oracle", "--predictions", str(oracle), "--baseline-run", base.info.run_id, *inputs)
         exp = client.get_experiment_by_name("slmsql")
         tables_ = {(r, t): json.loads(Path(client.download_artifacts(r.info.run_id, t, str(tmp / "dl" / r.info.run_id)))
                                       .read_text())
                    for r, t in ((base, "results_table.json"), (best, "results_table.json"),
                                 (best, "disagreements_table.json"))}
-    return SimpleNamespace(base=base, best=best, exp=exp, uri=f"sqlite:///{tmp}/mlflow.db",
+    return SimpleNamespace(base=base, best=best, exp=exp, uri=f"sqlite:///{tmp}/mlflow.db", source=source,
+                           fetched=tmp / "out" / tracking.FROM_RUNS / source / "world",
                            tables={(r.info.run_name, t): v for (r, t), v in tables_.items()})
 
 
@@ -133,7 +143,7 @@ def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypa
     monkeypatch.setattr(evaluate, "ex_summary", lambda results: {**summary(results), "ex_a": 0.5})
     with tracking_store(paired.uri), \
             pytest.raises(AssertionError, match=r"evaluate logged metric\(s\) \['ex_a'\] that are not in"):
-        _eval(tmp_path, "undocumented", predictions=str(EXAMPLES / "predictions.jsonl"))
+        _eval(tmp_path, "undocumented", "--predictions", str(EXAMPLES / "predictions.jsonl"))
 
 
 # ---- tables ---------------------------------------------------------------------------------------------
@@ -194,13 +204,17 @@ def test_evaluation_logs_its_dataset_input(paired):
             ["evaluation"]
         assert json.loads(inp.dataset.profile)["num_rows"] == 10
     assert inputs[0][0].dataset.digest == inputs[1][0].dataset.digest  # the same file: one name, one digest
-    # fetched by the pipeline from a run: the source is that run's artifact, not this machine's path
-    assert json.loads(inputs[0][0].dataset.source)["uri"] == f"runs:/{RUN_ID}/toy/gold.jsonl"
+    # taken from a run: the source is that run's artifact, not this machine's copy
+    assert json.loads(inputs[0][0].dataset.source)["uri"] == f"runs:/{paired.source}/world/gold.jsonl"
 
 
 def test_params_hold_run_uris_and_no_empty_options(paired):
+    # the run URIs given, fetched once next to the output folders; the local copy is what the stage read
+    assert (paired.fetched / "gold.jsonl").read_bytes() == (EXAMPLES / "gold.jsonl").read_bytes()
+    assert (paired.fetched / "databases" / "shop" / "shop.sqlite").is_file()
     for run in (paired.base, paired.best):
-        assert run.data.params["data"] == f"runs:/{RUN_ID}/toy/gold.jsonl"
+        assert run.data.params["data"] == f"runs:/{paired.source}/world/gold.jsonl"
+        assert run.data.params["db_root"] == f"runs:/{paired.source}/world/databases"
         assert "" not in run.data.params.values()
         assert not {"adapter", "model", "dataset_name"} & set(run.data.params)  # empty: not logged
 
@@ -210,6 +224,8 @@ def test_param_value_and_to_params():
     assert tracking.param_value(f"/x/{tracking.FROM_RUNS}/{RUN_ID}") == f"runs:/{RUN_ID}"
     assert tracking.param_value("/x/outputs/sft") == "/x/outputs/sft"
     assert tracking.param_value(f"/x/{tracking.FROM_RUNS}/not-a-run-id/policy") == f"/x/{tracking.FROM_RUNS}/not-a-run-id/policy"
+    with pytest.raises(SlmsqlError, match="is not a run artifact URI"):
+        tracking.fetch("runs:/policy", "/tmp")
     params = configs.to_params(configs.GRPOStageConfig())
     assert "adapter_mode" not in params and "base_adapter" not in params and "reward_weights" not in params
     params = configs.to_params(configs.GRPOStageConfig(base_adapter="a", adapter_mode="stack"))
@@ -227,7 +243,8 @@ def test_ex_figure_fits_the_axis_and_names_both_runs():
     ax = fig.axes[0]
     lo, hi = ax.get_xlim()
     assert 25 < lo < 33 and 44 < hi < 55  # fitted to [33, 44], not 0-100
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["eval-sft-dev", "eval-grpo-dev"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eval-sft-dev\n37.0% [33.0, 41.0]",
+                                                            "eval-grpo-dev\n40.0% [36.0, 44.0]"]
     assert "+3.0 points" in ax.get_title() and "no significant difference" in ax.get_title()
 
 
@@ -252,3 +269,20 @@ def test_training_curves_smooth_over_steps():
     raw, smoothed = fig.axes[0].get_lines()
     assert list(smoothed.get_ydata())[:3] == pytest.approx([0.1, 0.15, 0.25])  # window 20 // 10 = 2
     assert figures.training_curves([{"step": 1, "loss": 1.0}]) is None
+
+
+def test_notes_of_the_other_stages():
+    """Toy and tiny-model runs are checked end to end only by test_pipeline (slow): their one-line notes here."""
+    from types import SimpleNamespace as NS
+
+    toy = {"size": "small", "seed": 0, "counts": {"sft": {"total": 2000}, "dev": {"total": 200}},
+           "databases": {"a": 1, "b": 2}}
+    assert tracking.toy_note(toy) == "Toy world (small, seed 0): 2000 sft, 200 dev questions, 2 databases."
+    info = {"parameters": 812345, "vocab_size": 2000, "texts": 2000}
+    assert tracking.tiny_model_note(info, NS(layers=2, hidden=128)) == (
+        "Tiny Qwen2 model: 812,345 parameters (2 layers, hidden 128), BPE vocabulary 2,000 trained on 2,000 toy texts.")
+    # GRPO: zero groups with varying correctness is said as such, not as a small signal
+    grpo = {"summary/exec/frac_groups_correctness_varies": 0.0, "summary/frac_reward_zero_std": 1.0, "steps": 3,
+            "train_seconds": 12.0}
+    assert tracking.grpo_note(grpo) == ("GRPO, 3 steps in 12 s. No correctness signal: no group held both right "
+                                        "and wrong SQL.\n100% of groups had zero reward variance (no gradient).")

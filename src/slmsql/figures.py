@@ -46,18 +46,17 @@ def ex_figure(metrics: dict, comparison: dict | None, label: str, baseline_label
         rows = [(label, comparison["ex_a"], comparison["ex_a_ci_low"], comparison["ex_a_ci_high"], "#36c"),
                 (baseline_label, comparison["ex_b"], comparison["ex_b_ci_low"], comparison["ex_b_ci_high"],
                  "#888")][::-1]
-    fig, ax = plt.subplots(figsize=(5, 1.2 + 0.55 * len(rows)))
+    fig, ax = plt.subplots(figsize=(5.5, 1.3 + 0.6 * len(rows)))
     for i, (name, ex, lo, hi, color) in enumerate(rows):
         # clamped: statsmodels' Wilson bound for k == n is 0.9999999999999999, and a negative xerr raises
         ax.errorbar(100 * ex, i, xerr=[[max(0.0, 100 * (ex - lo))], [max(0.0, 100 * (hi - ex))]], fmt="o",
                     color=color, capsize=5, markersize=7)
-        ax.annotate(f"{100 * ex:.1f}%  [{100 * lo:.1f}, {100 * hi:.1f}]", (100 * ex, i), xytext=(0, 7),
-                    textcoords="offset points", ha="center", fontsize=8)
     lows, highs = [100 * r[2] for r in rows], [100 * r[3] for r in rows]
     pad = max(2.0, 0.15 * (max(highs) - min(lows)))
     ax.set_xlim(max(-2.0, min(lows) - pad), min(102.0, max(highs) + pad))  # room for a marker at 0 or 100
     ax.set_ylim(-0.6, len(rows) - 0.3)
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=9)
+    ax.set_yticks(range(len(rows)), [f"{name}\n{100 * ex:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+                                      for name, ex, lo, hi, _ in rows], fontsize=8)
     ax.set_xlabel("EX % (95% Wilson interval)" if not comparison else "EX % (Wilson interval at 1 − α)")
     if comparison:
         c = comparison

@@ -68,12 +68,13 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
         yield run
 
 
-# --- params: run URIs, not machine paths -------------------------------------------------------------------
-FROM_RUNS = "from-runs"  # the pipeline fetches run `<id>`'s artifact `<path>` to `<out>/from-runs/<id>/<path>`
+# --- inputs by run URI: params hold `runs:/<id>/<path>`, stages read a local copy --------------------------
+FROM_RUNS = "from-runs"  # run `<id>`'s artifact `<path>` is fetched to `<output_dir>/../from-runs/<id>/<path>`
+RUN_URI = re.compile(r"runs:/([0-9a-f]{32})(?:/(.*))?")
 
 
 def artifact_cache(root, run_id: str) -> Path:
-    """Where the pipeline keeps what it fetched from run `run_id` (`param_value` maps it back to the URI)."""
+    """Where artifacts fetched from run `run_id` are kept (`param_value` maps them back to their URI)."""
     return Path(root) / FROM_RUNS / run_id
 
 
@@ -84,6 +85,52 @@ def param_value(value) -> str:
     text = str(value)
     m = re.search(rf"(?:^|/){FROM_RUNS}/([0-9a-f]{{32}})(?:/(.*))?$", text.replace(os.sep, "/"))
     return f"runs:/{m[1]}/{m[2] or ''}".rstrip("/") if m else text
+
+
+def fetch(uri: str, root) -> str:
+    """The local copy of a run artifact `runs:/<id>/<path>` under `artifact_cache(root, id)`, downloaded once
+    (into a temporary folder, then moved into place: an interrupted download is never taken for a copy)."""
+    import shutil
+
+    m = RUN_URI.fullmatch(uri.rstrip("/"))
+    if not m or not m[2]:
+        raise SlmsqlError(f"{uri!r} is not a run artifact URI (runs:/<32-hex run id>/<artifact path>)")
+    cache = artifact_cache(Path(root).resolve(), m[1])
+    dst = cache / m[2]
+    done = dst.parent / f".{dst.name}.fetched"
+    fetched = [p for p in (dst, *dst.parents) if p != cache and cache in p.parents]  # it, or a folder above it
+    if dst.exists() and any((p.parent / f".{p.name}.fetched").exists() for p in fetched):
+        return str(dst)
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        got = download(m[1], m[2], tmp)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.exists():  # an older, unmarked copy: replaced
+            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+        os.replace(got, dst)
+    done.touch()
+    return str(dst)
+
+
+def fetch_inputs(cfg):
+    """`cfg` with each option given as `runs:/<id>/<path>` replaced by its local copy, fetched next to the
+    output folder (`<output_dir>/../from-runs/`). The run's params keep the URI (`param_value`)."""
+    import dataclasses
+
+    def is_uri(v):
+        return isinstance(v, str) and v.startswith("runs:/")
+
+    def local(v):
+        return [local(x) for x in v] if isinstance(v, list) else \
+            fetch(v, Path(cfg.output_dir).resolve().parent) if is_uri(v) else v
+
+    names = [f.name for f in dataclasses.fields(cfg)
+             if is_uri(getattr(cfg, f.name)) or (isinstance(getattr(cfg, f.name), list)
+                                                 and any(map(is_uri, getattr(cfg, f.name))))]
+    if not names:
+        return cfg
+    configure()  # the store the URIs refer to
+    return dataclasses.replace(cfg, **{k: local(getattr(cfg, k)) for k in names})
 
 
 def stage_run_of(client, run_id: str, stage: str, role: str, finished: bool = True):

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from ..configs import PipelineConfig
-from ..tracking import artifact_cache, param_value
+from ..tracking import param_value
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
@@ -70,14 +70,9 @@ class Steps:
         return self.client.get_run(sub.run_id)
 
     def artifact(self, run, path: str) -> str:
-        """A step's output, fetched by run URI into a stable folder (a stable path keeps reuse matching)."""
-        import mlflow
-
-        dst = artifact_cache(self.out, run.info.run_id)  # logged by the next step as runs:/<id>/<path>
-        if (dst / path).exists():
-            return str(dst / path)
-        dst.mkdir(parents=True, exist_ok=True)
-        return mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path, dst_path=str(dst))
+        """A step's output as its run URI: the next step's params say where its input came from, and each
+        step fetches a local copy (`tracking.fetch_inputs`, under <output_dir>/from-runs/<id>/)."""
+        return f"runs:/{run.info.run_id}/{path}"
 
 
 def main(cfg: PipelineConfig) -> dict:
@@ -94,17 +89,17 @@ def main(cfg: PipelineConfig) -> dict:
     with tracking.stage_run("pipeline", cfg) as parent:
         s = Steps(cfg, parent.info.experiment_id)
         toy = s.run("toy", "toy", size=cfg.size)
-        world = Path(s.artifact(toy, "toy"))
-        dbs = str(world / "databases")
-        tiny = s.run("tiny-model", "tiny-model", data=str(world))
-        sft = s.run("sft", "sft", model=s.artifact(tiny, "model"), data=str(world / "sft.jsonl"), db_root=dbs)
+        world = s.artifact(toy, "toy")
+        dbs = f"{world}/databases"
+        tiny = s.run("tiny-model", "tiny-model", data=world)
+        sft = s.run("sft", "sft", model=s.artifact(tiny, "model"), data=f"{world}/sft.jsonl", db_root=dbs)
         policy = s.artifact(sft, "policy")
-        filt = s.run("filter", "filter", model=policy, data=str(world / "rl_source.jsonl"), db_root=dbs)
+        filt = s.run("filter", "filter", model=policy, data=f"{world}/rl_source.jsonl", db_root=dbs)
         grpo = s.run("grpo", "grpo", model=policy, data=s.artifact(filt, "band.jsonl"), db_root=dbs)
         adapter = s.artifact(grpo, "adapter")
         evals = {}
         for split in SPLITS:
-            data = str(world / f"{split}.jsonl")
+            data = f"{world}/{split}.jsonl"
             base = s.run("evaluate", f"eval-sft-{split}", model=policy, data=data, db_root=dbs,
                          dataset_name=f"toy-{split}")
             evals[split] = s.run("evaluate", f"eval-grpo-{split}", model=policy, adapter=adapter, data=data,

@@ -1,0 +1,100 @@
+"""Regenerate the README's "Looking at the results" images from a demo run's tracking store.
+
+    make demo                                  # or: slmsql pipeline (writes ./mlflow.db and ./mlruns)
+    python scripts/screenshots.py --store mlflow.db --out docs/img
+
+Starts a real `mlflow server` on loopback on a copy of the store (the demo's own store is not touched),
+opens the MLflow UI in headless Chromium (`apt-get install chromium` on Debian) and saves:
+  runs-table.png     the experiment's runs table as `ui_link` opens it (slmsql's columns, pipeline expanded)
+  pipeline-run.png   the pipeline run's overview: its description (the headline), metrics and verdict tags
+  eval-run.png       the paired GRPO evaluation on dev: description, and the EX figure beside it
+The UI is a JavaScript app: Chromium is given a virtual-time budget to render it. Each image is cropped to
+the page (the UI's assistant panel on the right is left out), scaled down and palette-quantized to stay small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WIDTH, HEIGHT = 1800, 1100
+PAGE = 0.735  # share of the window left of the UI's assistant panel (measured at 1400-2400 px wide)
+SHOT_VIEW = "screenshots"  # a runs-table view like slmsql's, with the pipeline run expanded
+
+
+def shoot(chromium: str, url: str, png: Path, height: int = HEIGHT, budget_ms: int = 25000) -> None:
+    cmd = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+           "--force-device-scale-factor=1", f"--window-size={WIDTH},{height}",
+           f"--virtual-time-budget={budget_ms}", f"--screenshot={png}", url]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180)
+
+
+def shrink(src: Path, dst: Path, box: tuple[float, float, float, float], width: int, colors: int = 96) -> int:
+    """Crop `box` (fractions of the image), scale to `width`, quantize; returns the file size."""
+    from PIL import Image
+
+    img = Image.open(src).convert("RGB")
+    w, h = img.size
+    img = img.crop((int(box[0] * w), int(box[1] * h), int(box[2] * w), int(box[3] * h)))
+    img = img.resize((width, round(img.height * width / img.width)), Image.LANCZOS)
+    img.quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(dst, optimize=True)
+    return dst.stat().st_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--store", default="mlflow.db", help="SQLite tracking store of a demo run")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "img"))
+    ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
+    args = ap.parse_args()
+
+    import mlflow
+
+    from slmsql import tracking
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        shutil.copy(args.store, tmp / "store.db")
+        proc, uri = tracking.start_server(port=0, store=tmp / "store.db", artifacts=tmp / "artifacts",
+                                          timeout_s=300)
+        try:
+            client = mlflow.MlflowClient(uri)
+            exp = client.get_experiment_by_name("slmsql")
+            runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+            parent = next(r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline")
+            children = {r.info.run_name: r for r in runs
+                        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+            tracking.describe_experiment(exp.experiment_id)  # a store from before the view existed gets it
+            view = json.loads(client.get_experiment(exp.experiment_id).tags[
+                f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+            view["runsExpanded"] = {parent.info.run_id: True}
+            client.set_experiment_tag(exp.experiment_id, f"mlflow.sharedViewState.{SHOT_VIEW}", json.dumps(view))
+            base = f"{uri}/#/experiments/{exp.experiment_id}"
+            mode = "workflowType=machine_learning"
+            pages = {
+                "runs-table": (tracking.ui_link(exp.experiment_id, uri).replace(tracking.VIEW_KEY, SHOT_VIEW),
+                               800, (0.0, 0.0, PAGE, 1.0), 1000),
+                "pipeline-run": (f"{base}/runs/{parent.info.run_id}?{mode}", HEIGHT, (0.085, 0.0, PAGE, 1.0), 900),
+                "eval-run": (f"{base}/runs/{children['eval-grpo-dev'].info.run_id}/artifacts/ex_intervals.png?{mode}",
+                             900, (0.085, 0.0, PAGE, 1.0), 900),
+            }
+            sizes = {}
+            for name, (url, height, box, width) in pages.items():
+                raw = tmp / f"{name}.raw.png"
+                shoot(args.chromium, url, raw, height)
+                sizes[name] = shrink(raw, out / f"{name}.png", box, width)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(json.dumps({"images": {k: f"{out / k}.png" for k in sizes}, "bytes": sizes}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
