@@ -44,8 +44,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
               system_metrics: bool = False):
     """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
 
-    Params: empty options are left out, and a path to an artifact the pipeline fetched from another run is
-    logged as that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
+    Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
+    that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
     where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages."""
     import mlflow
 
