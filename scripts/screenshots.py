@@ -5,9 +5,9 @@
 
 Starts a real `mlflow server` on loopback on a copy of the store (the demo's own store is not touched),
 opens the MLflow UI in headless Chromium (`apt-get install chromium` on Debian) and saves:
-  runs-table.png     the experiment's runs table as `ui_link` opens it (slmsql's columns, pipeline expanded)
+  runs-table.png     the experiment's runs table as `ui_link` opens it (grouped by stage, slmsql's columns)
   pipeline-run.png   the pipeline run's overview: its description (the headline), metrics and verdict tags
-  eval-run.png       the paired GRPO evaluation on dev: description, and the EX figure beside it
+  eval-run.png       the paired GRPO evaluation on dev: its table of the questions only one side got right
 The UI is a JavaScript app: Chromium is given a virtual-time budget to render it. Each image is cropped to
 the page (the UI's assistant panel on the right is left out), scaled down and palette-quantized to stay small.
 """
@@ -22,14 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-WIDTH, HEIGHT = 1800, 1100
-PAGE = 0.735  # share of the window left of the UI's assistant panel (measured at 1400-2400 px wide)
-SHOT_VIEW = "screenshots"  # a runs-table view like slmsql's, with the pipeline run expanded
+NAV, PAGE = 0.11, 0.735  # at 1800 px wide: the UI's left menu ends, its assistant panel begins
 
 
-def shoot(chromium: str, url: str, png: Path, height: int = HEIGHT, budget_ms: int = 25000) -> None:
+def shoot(chromium: str, url: str, png: Path, size: tuple[int, int], budget_ms: int = 25000) -> None:
     cmd = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--force-device-scale-factor=1", f"--window-size={WIDTH},{height}",
+           "--force-device-scale-factor=1", f"--window-size={size[0]},{size[1]}",
            f"--virtual-time-budget={budget_ms}", f"--screenshot={png}", url]
     subprocess.run(cmd, check=True, capture_output=True, timeout=180)
 
@@ -71,24 +69,23 @@ def main() -> None:
             parent = next(r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline")
             children = {r.info.run_name: r for r in runs
                         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-            tracking.describe_experiment(exp.experiment_id)  # a store from before the view existed gets it
-            view = json.loads(client.get_experiment(exp.experiment_id).tags[
-                f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
-            view["runsExpanded"] = {parent.info.run_id: True}
-            client.set_experiment_tag(exp.experiment_id, f"mlflow.sharedViewState.{SHOT_VIEW}", json.dumps(view))
+            # this copy of the store shows the current view, whatever view the demo run saved
+            client.set_experiment_tag(exp.experiment_id, f"mlflow.sharedViewState.{tracking.VIEW_KEY}",
+                                      json.dumps(tracking.runs_view()))
             base = f"{uri}/#/experiments/{exp.experiment_id}"
             mode = "workflowType=machine_learning"
-            pages = {
-                "runs-table": (tracking.ui_link(exp.experiment_id, uri).replace(tracking.VIEW_KEY, SHOT_VIEW),
-                               800, (0.0, 0.0, PAGE, 1.0), 1000),
-                "pipeline-run": (f"{base}/runs/{parent.info.run_id}?{mode}", HEIGHT, (0.085, 0.0, PAGE, 1.0), 900),
-                "eval-run": (f"{base}/runs/{children['eval-grpo-dev'].info.run_id}/artifacts/ex_intervals.png?{mode}",
-                             900, (0.085, 0.0, PAGE, 1.0), 900),
+            paired = children["eval-grpo-dev"].info.run_id
+            pages = {  # name: (url, window size, crop box as fractions, width of the saved image)
+                # at 2600 px wide the grouped table fits; it ends at 2/3 of the window
+                "runs-table": (tracking.ui_link(exp.experiment_id, uri), (2600, 900), (0.076, 0.0, 0.7, 0.96), 1200),
+                "pipeline-run": (f"{base}/runs/{parent.info.run_id}?{mode}", (1800, 1100), (NAV, 0.0, PAGE, 0.8), 900),
+                "eval-run": (f"{base}/runs/{paired}/artifacts/disagreements_table.json?{mode}", (1800, 800),
+                             (NAV, 0.0, PAGE, 0.72), 900),
             }
             sizes = {}
-            for name, (url, height, box, width) in pages.items():
+            for name, (url, size, box, width) in pages.items():
                 raw = tmp / f"{name}.raw.png"
-                shoot(args.chromium, url, raw, height)
+                shoot(args.chromium, url, raw, size)
                 sizes[name] = shrink(raw, out / f"{name}.png", box, width)
         finally:
             proc.terminate()

@@ -60,7 +60,7 @@ def test_sft_lora_saves_a_loadable_adapter(lora, policy):
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # trained: B starts at zero
 
 
-def test_sft_lora_mlflow_run(lora):
+def test_sft_lora_mlflow_run(lora, policy):
     _, client, runs = lora
     run = runs["lora"]
     assert run.info.status == "FINISHED" and run.data.tags["slmsql.stage"] == "sft"
@@ -76,7 +76,7 @@ def test_sft_lora_mlflow_run(lora):
     (inp,) = run.inputs.dataset_inputs
     assert inp.dataset.name == "sft" and json.loads(inp.dataset.profile)["num_rows"] == 47
     assert run.data.tags["mlflow.note.content"].startswith(
-        "SFT (LoRA adapter) of tiny: 4 steps on 47 examples in ")
+        f"SFT (LoRA adapter) of {policy.tiny}: 4 steps on 47 examples in ")
     assert f"train loss {m['train_loss']:.3g}." in run.data.tags["mlflow.note.content"]
     assert "policy/README.md" not in policy_files  # PEFT's placeholder card is not logged with the adapter
 

@@ -276,8 +276,8 @@ def test_notes_of_the_other_stages():
     from types import SimpleNamespace as NS
 
     toy = {"size": "small", "seed": 0, "counts": {"sft": {"total": 2000}, "dev": {"total": 200}},
-           "databases": {"a": 1, "b": 2}}
-    assert tracking.toy_note(toy) == "Toy world (small, seed 0): 2000 sft, 200 dev questions, 2 databases."
+           "databases": {"sft": ["a", "b"], "dev": ["b", "c"]}}  # dev asks new questions on the same databases
+    assert tracking.toy_note(toy) == "Toy world (small, seed 0): 2000 sft, 200 dev questions over 3 databases."
     info = {"parameters": 812345, "vocab_size": 2000, "texts": 2000}
     assert tracking.tiny_model_note(info, NS(layers=2, hidden=128)) == (
         "Tiny Qwen2 model: 812,345 parameters (2 layers, hidden 128), BPE vocabulary 2,000 trained on 2,000 toy texts.")

@@ -60,7 +60,7 @@ def ex_figure(metrics: dict, comparison: dict | None, label: str, baseline_label
     ax.set_xlabel("EX % (95% Wilson interval)" if not comparison else "EX % (Wilson interval at 1 − α)")
     if comparison:
         c = comparison
-        ax.set_title(f"{c['verdict']}: {100 * c['diff']:+.1f} points [{100 * c['diff_ci_low']:+.1f}, "
+        ax.set_title(f"{c['verdict']}\n{100 * c['diff']:+.1f} points [{100 * c['diff_ci_low']:+.1f}, "
                      f"{100 * c['diff_ci_high']:+.1f}], McNemar p = {c['mcnemar_p']:.3g}", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -465,7 +465,16 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 VIEW_KEY = "slmsql"
 VIEW_COLUMNS = ("attributes.`Dataset`", "tags.`slmsql.stage`", "tags.`slmsql.verdict`", "metrics.`ex`",
                 "metrics.`vs_baseline/diff`", "metrics.`vs_baseline/p`", "metrics.`band`",
-                "metrics.`summary/frac_reward_zero_std`", "metrics.`summary/exec/frac_groups_correctness_varies`")
+                "metrics.`summary/exec/frac_groups_correctness_varies`", "metrics.`summary/frac_reward_zero_std`")
+
+
+def runs_view() -> dict:
+    """slmsql's runs-table view: runs grouped by stage (a pipeline's steps are shown, not folded under it),
+    with the columns that state each stage's result."""
+    return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL",
+            "columnWidths": {"tags.`slmsql.verdict`": 190},
+            "groupBy": {"aggregateFunction": "average",
+                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.stage"}]}}
 
 
 def describe_experiment(experiment_id: str) -> None:
@@ -477,9 +486,8 @@ def describe_experiment(experiment_id: str) -> None:
 
     client = mlflow.MlflowClient()
     have = client.get_experiment(experiment_id).tags
-    view = {"selectedColumns": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL"}
     for key, value in ((NOTE, EXPERIMENT_NOTE), EXPERIMENT_KIND,
-                       (f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(view))):
+                       (f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(runs_view()))):
         if key not in have:
             client.set_experiment_tag(experiment_id, key, value)
 
@@ -536,14 +544,14 @@ def grpo_note(summary: dict) -> str:
 
 def sft_note(summary: dict, model: str) -> str:
     kind = "LoRA adapter" if summary["kind"] == "adapter" else "full fine-tune"
-    return (f"SFT ({kind}) of {Path(model).name or model}: {summary['steps']} steps on {summary['examples']} "
+    return (f"SFT ({kind}) of {param_value(model)}: {summary['steps']} steps on {summary['examples']} "
             f"examples in {_duration(summary['train_seconds'])}; train loss {summary['train_loss']:.3g}.")
 
 
 def toy_note(summary: dict) -> str:
     counts = ", ".join(f"{c['total']} {split}" for split, c in summary["counts"].items())
-    return f"Toy world ({summary['size']}, seed {summary['seed']}): {counts} questions, " \
-           f"{len(summary.get('databases', {}))} databases."
+    dbs = {db for names in summary.get("databases", {}).values() for db in names}  # split -> its databases
+    return f"Toy world ({summary['size']}, seed {summary['seed']}): {counts} questions over {len(dbs)} databases."
 
 
 def tiny_model_note(info: dict, cfg) -> str:
