@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 from .errors import SlmsqlError
 
-
 # ---- pure rules -----------------------------------------------------------------------------------------
 
 def groups_varying(correct, group_size: int) -> list[bool]:
@@ -124,7 +123,7 @@ class Variant:
     max_resample_rounds: int = 3
 
     @classmethod
-    def of(cls, cfg) -> "Variant":
+    def of(cls, cfg) -> Variant:
         return cls(cfg.advantage_gate == "correctness", cfg.dynamic_sampling, cfg.max_resample_rounds)
 
     @property
@@ -301,7 +300,7 @@ def _variant_trainer():
 
         def _logged_rows(self, n):
             """This round's rows of TRL's completions-table buffers (the last n of each)."""
-            tail = lambda d: list(d)[-n:]  # noqa: E731
+            tail = lambda d: list(d)[-n:]
             logs = self._logs
             return {"prompt": tail(logs["prompt"]), "completion": tail(logs["completion"]),
                     "rewards": {k: tail(v) for k, v in logs["rewards"].items()},
