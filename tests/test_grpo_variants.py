@@ -135,6 +135,24 @@ def test_option_sets_no_run_could_use_are_refused(over, message):
         gv.check(configs.load(configs.GRPOStageConfig, None, over))
 
 
+def test_stage_refuses_before_any_model_loads(shop, tmp_path, monkeypatch):
+    from slmsql import models
+    from slmsql.stages import grpo
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    data = write(tmp_path / "gold.jsonl", [{"id": "q1", "db_id": "shop", "question": "Names?",
+                                           "sql": "SELECT name FROM item"}])
+    cfg = configs.load(configs.GRPOStageConfig, None, {
+        "data": str(data), "db_root": str(shop), "output_dir": str(tmp_path / "out"), "rewards": "format",
+        "advantage_gate": "correctness"})
+    with pytest.raises(SlmsqlError, match="needs the execution reward"):
+        grpo.main(cfg)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_dynamic_sampling_is_single_process():
     cfg = configs.load(configs.GRPOStageConfig, None, {"dynamic_sampling": "true"})
     with pytest.raises(SlmsqlError, match="one process only"):
