@@ -334,7 +334,7 @@ def dead_url():
 
 
 def cli_args(cfg: PublishConfig) -> list[str]:
-    return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", cfg.eval_runs, "--filter-run", cfg.filter_run,
+    return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", ",".join(cfg.eval_runs), "--filter-run", cfg.filter_run,
             "--repo-id", cfg.repo_id, "--output-dir", cfg.output_dir]
 
 
