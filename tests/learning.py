@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-TOL = 1e-6  # float32 noise is ~1e-7 at these magnitudes; a real update moves logits by far more
+TOL = 1e-4  # merging an adapter into float32 weights moves logits by ~3e-6 (measured); 2 real steps, by far more
 
 
 def adapter_weights(adapter) -> dict[str, torch.Tensor]:
