@@ -4,16 +4,22 @@ toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev an
 
 Each step is its own `mlflow.run` (local env manager) under one parent run. Steps hand each other their
 outputs by run URI (artifacts downloaded from the tracking store, so a remote server works the same), and a
-finished step whose parameters and code version match is reused instead of re-run.
+finished step whose resolved stage config and code version match is reused instead of re-run. A step's config
+holds its upstream outputs (artifact folders under from-runs/<run id>, run ids), so a rerun step reruns
+everything downstream of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import shlex
 from pathlib import Path
 
+from .. import configs
 from ..configs import PipelineConfig
+from ..errors import SlmsqlError
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
@@ -30,6 +36,15 @@ def code_version() -> str:
     return h.hexdigest()[:12]
 
 
+def _unquoted(value: str) -> str:
+    """A parameter `mlflow run` logged as it put it on the shell command line (shlex-quoted: '' for empty)."""
+    try:
+        parts = shlex.split(value)
+    except ValueError:
+        return value
+    return parts[0] if len(parts) == 1 else value
+
+
 class Steps:
     def __init__(self, cfg: PipelineConfig, experiment_id: str):
         import mlflow
@@ -43,13 +58,27 @@ class Steps:
         return {"output_dir": str(self.out / name), "experiment": self.cfg.experiment, "run_name": name,
                 "seed": self.cfg.seed, **given, **extra}
 
+    @staticmethod
+    def config(stage: str, values: dict) -> dict:
+        """The stage config a step with these parameters computes with, as `slmsql <stage>` resolves them (unset
+        fields: their defaults, which `mlflow run` passes too), less `overwrite`, which shapes no result.
+        Comparing whole configs, not the parameters given, is what makes dropping an override rerun the step."""
+        cls = configs.STAGES[stage]
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = configs.load(cls, None, {k: v for k, v in values.items() if k in names}, require=False)
+        return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+
     def _reusable(self, stage: str, params: dict):
+        want = self.config(stage, params)
         runs = self.client.search_runs(
             [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
             f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
         for run in runs:
-            if all(run.data.params.get(k) == str(v) for k, v in params.items() if k != "overwrite"):
-                return run
+            try:
+                if self.config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == want:
+                    return run
+            except SlmsqlError:  # params this code cannot read back: not a run to reuse
+                continue
         return None
 
     def run(self, stage: str, name: str, **given):
