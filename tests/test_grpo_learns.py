@@ -200,3 +200,22 @@ def test_filter_with_the_stacked_adapter(stacked, policy, store):
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
                                 "attributes.run_name = 'filter-stacked'")
     assert run.info.status == "FINISHED" and run.data.tags["slmsql.adapter"] == str(Path(cfg.output_dir) / "adapter")
+
+
+def test_stacked_adapter_pushed_to_the_hub_loads_by_repo_id(stacked, monkeypatch):
+    """What publish pushes is the artifact folder; `--adapter OWNER/NAME` then finds base_adapter/ on the Hub."""
+    from huggingface_hub import HfApi, hf_api
+
+    from hubstub import HubStub
+
+    cfg, _, trained_logits = stacked
+    with HubStub(lfs_threshold=1024) as stub:
+        stub.configure_client(monkeypatch)
+        # PEFT asks huggingface_hub's module-level client, made at import with the real endpoint
+        monkeypatch.setattr(hf_api.api, "endpoint", stub.url)
+        api = HfApi(token=stub.token)
+        api.create_repo("stub-user/stacked")
+        api.upload_folder(folder_path=str(Path(cfg.output_dir) / "adapter"), repo_id="stub-user/stacked")
+        assert f"{models.STACK_BASE}/adapter_model.safetensors" in stub.files("stub-user/stacked")
+        ok, diff = reloads_as_trained(cfg, trained_logits, "stub-user/stacked")
+    assert ok, f"the stacked adapter loaded from the Hub is not the trained model (max logit difference {diff})"

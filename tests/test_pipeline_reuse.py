@@ -163,3 +163,9 @@ def test_code_version_hashes_the_package_and_its_data(tmp_path, monkeypatch):
         path.write_text(path.read_text() + "\n")
         assert pipeline.code_version() != first, changed
         first = pipeline.code_version()
+    assert "trl==" in pipeline.dependency_versions()
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "trl" else real(name))
+    assert pipeline.code_version() != first  # an upgraded TRL trains differently

@@ -27,13 +27,33 @@ ROOT = PACKAGE.parents[1]  # the MLproject folder
 
 
 def code_version() -> str:
-    """Hash of everything that shapes a step's result: the whole package, the data-check suites and the card
-    template. A reused step must have been produced by this code."""
+    """Hash of everything that shapes a step's result: the whole package, the data-check suites, the card
+    template and the installed versions of the package's dependencies (a TRL or torch upgrade changes what
+    training computes). A reused step must have been produced by this code."""
     h = hashlib.sha256()
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
     for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    h.update(dependency_versions().encode())
     return h.hexdigest()[:12]
+
+
+def dependency_versions() -> str:
+    """`name==version` of each installed dependency of slmsql (test extras aside), one a line."""
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("slmsql") or []
+    except metadata.PackageNotFoundError:  # run from a source tree without being installed
+        return ""
+    lines = []
+    for name in sorted({re.match(r"[A-Za-z0-9._-]+", r)[0] for r in requires if "extra ==" not in r}):
+        try:
+            lines.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} absent")
+    return "\n".join(lines)
 
 
 def _unquoted(value: str) -> str:
