@@ -124,7 +124,7 @@ class Lora:
     lora_alpha: int = opt(64, "LoRA alpha (scale).")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
     target_modules: list[str] = opt(["all-linear"], "LoRA target modules (comma-separated, or all-linear).")
-    trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_ratio=0.1 bf16=true'.")
+    trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_steps=0.1 bf16=true'.")
 
 
 @dataclass
@@ -250,8 +250,24 @@ def fields(cls):
     return dataclasses.fields(cls)
 
 
+def scalar(text: str):
+    """A command-line value: true/false, null, an int, a float (1e-3 too), else the string itself. Not YAML's
+    rules, under which `save_strategy=no` would arrive as False (and 1e-3 as a string)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "null":
+        return None
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_trainer_args(value) -> dict:
-    """'a=1 b=true c=x' (or a dict) -> {'a': 1, 'b': True, 'c': 'x'}; values parsed as YAML scalars."""
+    """'a=1 b=true c=x' (or a dict) -> {'a': 1, 'b': True, 'c': 'x'}; values parsed by `scalar`."""
     if isinstance(value, dict):
         return dict(value)
     out = {}
@@ -259,7 +275,7 @@ def parse_trainer_args(value) -> dict:
         if "=" not in item:
             raise SlmsqlError(f"trainer_args: expected key=value, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        out[k.strip()] = scalar(v)
     return out
 
 

@@ -39,7 +39,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from .. import rewards, tracking, training
-    from ..models import check_adapter_base, load_model
+    from ..models import check_adapter_base, load_model, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -96,6 +96,9 @@ def main(cfg: GRPOStageConfig) -> dict:
         # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run
         final = work / "adapter"
         trainer.model.save_pretrained(final)
+        if cfg.base_adapter and (continue_adapter or peft_config is not None):
+            # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
+            record_stack(final, cfg.base_adapter, merged=not continue_adapter)
         tokenizer.save_pretrained(final)
         write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
         summary = {**training.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,

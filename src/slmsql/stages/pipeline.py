@@ -4,16 +4,22 @@ toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev an
 
 Each step is its own `mlflow.run` (local env manager) under one parent run. Steps hand each other their
 outputs by run URI (artifacts downloaded from the tracking store, so a remote server works the same), and a
-finished step whose parameters and code version match is reused instead of re-run.
+finished step whose resolved stage config and code version match is reused instead of re-run. A step's config
+holds its upstream outputs (artifact folders under from-runs/<run id>, run ids), so a rerun step reruns
+everything downstream of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import shlex
 from pathlib import Path
 
+from .. import configs
 from ..configs import PipelineConfig
+from ..errors import SlmsqlError
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
@@ -21,13 +27,42 @@ ROOT = PACKAGE.parents[1]  # the MLproject folder
 
 
 def code_version() -> str:
-    """Hash of everything that shapes a step's result: the whole package, the data-check suites and the card
-    template. A reused step must have been produced by this code."""
+    """Hash of everything that shapes a step's result: the whole package, the data-check suites, the card
+    template and the installed versions of the package's dependencies (a TRL or torch upgrade changes what
+    training computes). A reused step must have been produced by this code."""
     h = hashlib.sha256()
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
     for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
         h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    h.update(dependency_versions().encode())
     return h.hexdigest()[:12]
+
+
+def dependency_versions() -> str:
+    """`name==version` of each installed dependency of slmsql (test extras aside), one a line."""
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("slmsql") or []
+    except metadata.PackageNotFoundError:  # run from a source tree without being installed
+        return ""
+    lines = []
+    for name in sorted({re.match(r"[A-Za-z0-9._-]+", r)[0] for r in requires if "extra ==" not in r}):
+        try:
+            lines.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name} absent")
+    return "\n".join(lines)
+
+
+def _unquoted(value: str) -> str:
+    """A parameter `mlflow run` logged as it put it on the shell command line (shlex-quoted: '' for empty)."""
+    try:
+        parts = shlex.split(value)
+    except ValueError:
+        return value
+    return parts[0] if len(parts) == 1 else value
 
 
 class Steps:
@@ -43,13 +78,27 @@ class Steps:
         return {"output_dir": str(self.out / name), "experiment": self.cfg.experiment, "run_name": name,
                 "seed": self.cfg.seed, **given, **extra}
 
+    @staticmethod
+    def config(stage: str, values: dict) -> dict:
+        """The stage config a step with these parameters computes with, as `slmsql <stage>` resolves them (unset
+        fields: their defaults, which `mlflow run` passes too), less `overwrite`, which shapes no result.
+        Comparing whole configs, not the parameters given, is what makes dropping an override rerun the step."""
+        cls = configs.STAGES[stage]
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = configs.load(cls, None, {k: v for k, v in values.items() if k in names}, require=False)
+        return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+
     def _reusable(self, stage: str, params: dict):
+        want = self.config(stage, params)
         runs = self.client.search_runs(
             [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
             f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
         for run in runs:
-            if all(run.data.params.get(k) == str(v) for k, v in params.items() if k != "overwrite"):
-                return run
+            try:
+                if self.config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == want:
+                    return run
+            except SlmsqlError:  # params this code cannot read back: not a run to reuse
+                continue
         return None
 
     def run(self, stage: str, name: str, **given):

@@ -32,7 +32,7 @@ def main(cfg: SFTStageConfig) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from .. import tracking, training
-    from ..models import check_adapter_base, load_model
+    from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
 
     # args: every check before any model loads
     examples = read_gold(cfg.data)
@@ -68,6 +68,8 @@ def main(cfg: SFTStageConfig) -> dict:
         if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
             (work / "checkpoints").rmdir()
         trainer.model.save_pretrained(work)
+        if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
+            record_stack(work, cfg.base_adapter, merged=False)
         tokenizer.padding_side = "left"
         tokenizer.save_pretrained(work)
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
@@ -79,6 +81,8 @@ def main(cfg: SFTStageConfig) -> dict:
         for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
             if f.is_file():
                 mlflow.log_artifact(str(f), "policy")
+            elif f.name == STACK_BASE:
+                mlflow.log_artifacts(str(f), f"policy/{STACK_BASE}")
     log.info("SFT done: %d steps in %.0f s, loss %.3f -> %s", summary["steps"], summary["train_seconds"],
              summary["train_loss"], cfg.output_dir)
     return summary
