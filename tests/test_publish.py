@@ -105,9 +105,9 @@ def world(tmp_path_factory):
 
     ids = {}
     grpo_cfg = GRPOStageConfig(model=BASE, base_adapter="adapters/sft", max_steps=40, learning_rate=1e-5,
-                               data="outputs/filter/band.jsonl")
+                               data="outputs/filter/band.jsonl", advantage_gate="correctness", dynamic_sampling=True)
     summary = {"summary/reward": 0.61, "summary/reward_std": 0.44, "summary/frac_reward_zero_std": 0.12,
-               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48,
+               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48, "summary/dynamic_sampling_extra_rounds": 1.5,
                "summary/exec_frac_groups_correctness_varies": 0.81, "summary/completions_mean_length": 80.5,
                "train_seconds": 9720.0, "steps": 40}
     ids["grpo"] = run("grpo", grpo_cfg, {"slmsql.model": BASE, "slmsql.base_adapter": "adapters/sft",
@@ -235,8 +235,11 @@ def test_card_states_the_runs_numbers(store, tmp_path):
     details = section(card, "Training details")
     assert "r = 8, alpha = 16" in details and "adapters/sft" in details and "1e-05 (cosine schedule)" in details
     assert "2 h 42 min" in details and "40 of 40 planned" in details
+    assert "Advantage gate: correctness (groups whose" in details
+    assert "Dynamic sampling: on (groups without correctness variance replaced, up to 3 extra" in details
     signal = section(card, "Training signal")
     assert "| frac_reward_zero_std | 0.12 | 0.05 – 0.2 |" in signal and "| grad_norm | 0.5 | — |" in signal
+    assert "| extra generation rounds per step | 1.5 | — |" in signal
     limits = section(card, "Intended use and limitations")
     assert re.search(r"With n = 149 on bird, differences under \d+\.\d points cannot be reliably detected", limits)
     repro = section(card, "Reproduce")

@@ -32,6 +32,10 @@ TELEMETRY = [  # (summary metric, per-step metric, label, what it means)
     ("summary/reward", "reward", "reward", "mean total reward per completion"),
     ("summary/grad_norm", "grad_norm", "grad_norm", "gradient norm before clipping"),
     ("summary/completions_mean_length", "completions/mean_length", "completion length", "mean tokens per completion"),
+    ("summary/dynamic_sampling_groups_dropped", "dynamic_sampling/groups_dropped", "groups dropped per step",
+     "dynamic sampling: sampled groups without correctness variance, replaced by groups for further prompts"),
+    ("summary/dynamic_sampling_extra_rounds", "dynamic_sampling/extra_rounds", "extra generation rounds per step",
+     "dynamic sampling: what the refills cost, in generation calls beyond the first"),
 ]
 
 

@@ -179,6 +179,13 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
     format_tier: float = opt(0.2, "Format reward for a ```sql block.")
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
+    advantage_gate: str = opt("none", "correctness: a group whose completions are all correct or all wrong gets "
+                              "advantage 0, whatever its shaped rewards (none: TRL's advantages).",
+                              choices=("none", "correctness"))
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: replace groups without correctness variance by "
+                                 "groups for further prompts, in up to max_resample_rounds extra generation rounds.")
+    max_resample_rounds: int = opt(3, "Extra generation rounds per step for --dynamic-sampling; still short, the "
+                                   "batch is topped up with dropped groups.")
     per_device_train_batch_size: int = opt(16, "Completions per device batch (a multiple of num_generations).")
     gradient_accumulation_steps: int = opt(1, "Gradient accumulation steps.")
     learning_rate: float = opt(1e-3, "Peak learning rate (the seed's 1e-6 moves a tiny LoRA policy nowhere).")

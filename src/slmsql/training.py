@@ -22,7 +22,8 @@ OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run
          "report_to": "slmsql's own MLflow callback (report_to=mlflow would log ~224 params)",
          "logging_dir": "the staging folder"}
 SUMMARY_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
-                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time")
+                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time",
+                "dynamic_sampling/groups_dropped", "dynamic_sampling/extra_rounds")
 
 
 def device_args() -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 
 from ..configs import GRPOStageConfig
@@ -22,9 +23,11 @@ log = logging.getLogger(__name__)
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
+    from .. import grpo_variants
     from ..rewards import check
 
     check(cfg.rewards, cfg.reward_weights)
+    grpo_variants.check(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
@@ -36,9 +39,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     import mlflow
     import pandas as pd
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    from .. import rewards, tracking, training
+    from .. import grpo_variants, rewards, tracking, training
     from ..models import check_adapter_base, load_model, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -79,16 +82,18 @@ def main(cfg: GRPOStageConfig) -> dict:
             model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         peft_config = training.lora_config(cfg) if cfg.use_lora and not continue_adapter else None
 
-        # rewards: registry functions bound to this run's sandbox and tiers
+        # rewards: registry functions bound to this run's sandbox and tiers (and, for the correctness-aware
+        # options, to the hook through which the trainer reads each completion's execution outcome)
         tiers = rewards.Tiers(runs=cfg.runs_tier, format=cfg.format_tier)
-        reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match)
+        Trainer, hooks = grpo_variants.trainer_class(cfg)
+        reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match, **hooks)
 
-        # trainer
-        trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
-                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                              peft_config=peft_config,
-                              callbacks=[training.metrics_callback(),
-                                         training.completions_logger(work, cfg.completions_every)])
+        # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
+        trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          peft_config=peft_config,
+                          callbacks=[training.metrics_callback(),
+                                     training.completions_logger(work, cfg.completions_every)])
         training.quiet_progress(trainer)
         t0 = time.time()
         trainer.train(resume_from_checkpoint=training.last_checkpoint(work) if cfg.resume else None)
