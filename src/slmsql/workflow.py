@@ -66,10 +66,9 @@ class Steps:
         return None
 
     def run(self, stage: str, name: str, tags: dict | None = None, **given):
-        """Run (or reuse) one step; returns its finished MLflow run. `tags` go on the step's run as it starts
+        """Run (or reuse) one step; returns its finished MLflow run. `tags` are on the step's run from its start
         (a reused run keeps the tags it was made with)."""
         import mlflow
-        from mlflow.exceptions import ExecutionException
 
         params = self.params(stage, name, given)
         if self.reuse and (found := self.find(stage, params)):
@@ -77,28 +76,32 @@ class Steps:
             self.reused.append(found.info.run_id)
             return found
         log.info("step %-14s running ...", name)
-        sub = mlflow.run(str(ROOT), entry_point=stage.replace("-", "_"), env_manager="local",
-                         experiment_id=self.experiment_id, run_name=name,
-                         parameters={**params, "overwrite": "true"}, synchronous=False)
-        # started without waiting, so the tags are on the run while it runs; then waited for as
-        # `synchronous=True` would (which also marks a run its process left RUNNING)
-        try:
-            self.client.set_tag(sub.run_id, "slmsql.code_version", self.version)
-            for key, value in (tags or {}).items():
-                self.client.set_tag(sub.run_id, key, str(value))
-            ok = sub.wait()
-        except BaseException:  # Ctrl-C or an error here: do not leave the step running on its own
-            sub.cancel()
-            self._terminate(sub.run_id, "FAILED")
-            raise
-        self._terminate(sub.run_id, "FINISHED" if ok else "FAILED")
-        if not ok:
-            raise ExecutionException(f"step {name} ({stage}) failed: MLflow run {sub.run_id}")
-        return self.client.get_run(sub.run_id)
+        entry_point = stage.replace("-", "_")
+        run = self._create(entry_point, name, {**params, "overwrite": "true"}, tags or {})
+        # the run exists, tagged, before the step starts: `mlflow.run` then runs the entry point in it, blocking
+        # (waiting without blocking would start one more `mlflow run` process per step)
+        mlflow.run(str(ROOT), entry_point=entry_point, env_manager="local", run_id=run.info.run_id,
+                   parameters={**params, "overwrite": "true"}, synchronous=True)
+        return self.client.get_run(run.info.run_id)
 
-    def _terminate(self, run_id: str, status: str) -> None:
-        if self.client.get_run(run_id).info.status == "RUNNING":
-            self.client.set_terminated(run_id, status)
+    def _create(self, entry_point: str, name: str, params: dict, tags: dict):
+        """The step's run as `mlflow.run` would create it (a child of the active run, the entry point's
+        parameters with MLproject's defaults filled in), plus the code version and `tags`."""
+        import mlflow
+        import yaml
+        from mlflow.entities import Param
+        from mlflow.utils import mlflow_tags
+
+        declared = yaml.safe_load((ROOT / "MLproject").read_text())["entry_points"][entry_point]["parameters"]
+        values = {**{k: spec["default"] for k, spec in declared.items() if "default" in spec}, **params}
+        parent = mlflow.active_run()
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={
+            mlflow_tags.MLFLOW_SOURCE_TYPE: "PROJECT", mlflow_tags.MLFLOW_SOURCE_NAME: str(ROOT),
+            mlflow_tags.MLFLOW_PROJECT_ENTRY_POINT: entry_point, "slmsql.code_version": self.version,
+            **({mlflow_tags.MLFLOW_PARENT_RUN_ID: parent.info.run_id} if parent else {}),
+            **{k: str(v) for k, v in tags.items()}})
+        self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in values.items()])
+        return run
 
     def artifact(self, run, path: str) -> str:
         """A step's output, fetched by run URI into a stable folder (a stable path keeps reuse matching)."""
