@@ -647,5 +647,6 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert f"| {100 * bird_binary.mean():.1f}% | {100 * bird_binary.std(ddof=1):.1f} |" in better
     assert sum("**defaults** (this adapter's)" in line for line in rows) == 2
     assert store["sweep"] in section(card, "Provenance") and "slmsql sweep" in section(card, "Reproduce")
+    assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
     # the same results as a card given the eval runs explicitly
     assert front_matter(card)["model-index"][0]["results"][0]["metrics"][0]["value"] == 36.2

@@ -12,6 +12,7 @@ commit (it returns the current head), and the registry reuses the version alread
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -125,6 +126,8 @@ def main(cfg: PublishConfig) -> dict:
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before any download if the folder is in the way
     with tempfile.TemporaryDirectory() as tmp:
         runs, adapter = gather(cfg, Path(tmp))
+        # eval runs taken from the sweep's cell are named as if given: in the card's command and the registry
+        cfg = dataclasses.replace(cfg, eval_runs=[run.info.run_id for run, _ in runs.evals])
         ctx = cards.context(runs, cfg)
         data = cards.card_data(ctx, cfg.license)
         text = cards.render(ctx, data)
