@@ -1,9 +1,8 @@
 """Which pipeline steps rerun and which are reused, against a real SQLite MLflow store.
 
 The real pipeline takes minutes, so each step's `mlflow.run` is replaced by `FakeRun`, which writes to the store
-what `mlflow.run` and the stage write, minus the work: MLflow's own project-run creation
-(`mlflow.projects.utils._create_run`: the parent tag, every MLproject parameter logged, defaults included), the run
-name, then what the stage adds (`slmsql.stage` tag, its resolved config as params where not logged yet, the
+what the stage writes into the run `workflow.Steps` created for it (parent tag, every MLproject parameter logged,
+defaults included), minus the work: what the stage adds (`slmsql.stage` tag, its resolved config as params where not logged yet, the
 artifacts the next steps download, the metrics the headline prints) and a FINISHED status. `pipeline.main` and
 `Steps` run for real: the parameters, the lookup of reusable runs, the artifact hand-over by run id.
 """
@@ -19,6 +18,7 @@ import mlflow
 import pytest
 
 from slmsql import configs
+from slmsql import workflow
 from slmsql.stages import pipeline
 
 STEPS = ["toy", "tiny-model", "sft", "filter", "grpo", "eval-sft-dev", "eval-grpo-dev", "eval-sft-dev_cross",
@@ -39,22 +39,18 @@ class FakeRun:
     def __init__(self, tmp_path):
         self.tmp, self.names = tmp_path, []
 
-    def __call__(self, uri, entry_point, env_manager, experiment_id, run_name, parameters, synchronous):
+    def __call__(self, uri, entry_point, env_manager, run_id, parameters, synchronous):
         from mlflow.projects import _project_spec
-        from mlflow.projects.utils import _create_run
         from mlflow.entities import Metric, Param, RunTag
-        from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
         from slmsql.configs import STAGES, to_params
 
         assert env_manager == "local" and synchronous
-        self.names.append(run_name)
-        client = mlflow.MlflowClient()
-        run_id = _create_run(uri, experiment_id, uri, None, entry_point, parameters).info.run_id
-        client.set_tag(run_id, MLFLOW_RUN_NAME, run_name)
+        client = mlflow.MlflowClient()  # workflow.Steps made the run (parent tag, MLproject params) before this
+        self.names.append(client.get_run(run_id).info.run_name)
         # the stage: `slmsql <stage>` run by the shell with the command `mlflow run` builds (cli.py resolves it)
         stage = entry_point.replace("_", "-")
-        command = _project_spec.load_project(pipeline.ROOT).get_entry_point(entry_point).compute_command(parameters, None)
+        command = _project_spec.load_project(workflow.ROOT).get_entry_point(entry_point).compute_command(parameters, None)
         argv = shlex.split(command)[2:]
         values = {argv[i].removeprefix("--").replace("-", "_"): argv[i + 1] for i in range(0, len(argv), 2)}
         values.pop("recipe")
@@ -141,31 +137,31 @@ def test_parameter_changes_rerun_the_step_and_downstream_only(pipe):
 
 def test_code_version_change_or_reuse_false_reruns_everything(pipe, monkeypatch):
     assert pipe()[0] == STEPS
-    monkeypatch.setattr(pipeline, "code_version", lambda: "another-version")
+    monkeypatch.setattr(workflow, "code_version", lambda: "another-version")
     assert pipe()[0] == STEPS
     assert pipe(reuse=False)[0] == STEPS
 
 
 def test_code_version_hashes_the_package_and_its_data(tmp_path, monkeypatch):
     root = tmp_path / "root"
-    shutil.copytree(pipeline.ROOT / "src" / "slmsql", root / "src" / "slmsql",
+    shutil.copytree(workflow.ROOT / "src" / "slmsql", root / "src" / "slmsql",
                     ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("data_checks", "model_card"):
-        shutil.copytree(pipeline.ROOT / folder, root / folder)
-    monkeypatch.setattr(pipeline, "ROOT", root)
-    monkeypatch.setattr(pipeline, "PACKAGE", root / "src" / "slmsql")
-    first = pipeline.code_version()
-    assert pipeline.code_version() == first
+        shutil.copytree(workflow.ROOT / folder, root / folder)
+    monkeypatch.setattr(workflow, "ROOT", root)
+    monkeypatch.setattr(workflow, "PACKAGE", root / "src" / "slmsql")
+    first = workflow.code_version()
+    assert workflow.code_version() == first
     (root / "README.md").write_text("not code")  # outside what shapes a result: the same version
-    assert pipeline.code_version() == first
+    assert workflow.code_version() == first
     for changed in ("src/slmsql/rewards.py", "data_checks/rl.json", "model_card/README.md.j2"):
         path = root / changed
         path.write_text(path.read_text() + "\n")
-        assert pipeline.code_version() != first, changed
-        first = pipeline.code_version()
-    assert "trl==" in pipeline.dependency_versions()
+        assert workflow.code_version() != first, changed
+        first = workflow.code_version()
+    assert "trl==" in workflow.dependency_versions()
     from importlib import metadata
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "trl" else real(name))
-    assert pipeline.code_version() != first  # an upgraded TRL trains differently
+    assert workflow.code_version() != first  # an upgraded TRL trains differently

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 from hubstub import HubStub
 from slmsql import stats
-from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, to_params
+from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SweepConfig, to_params
 from slmsql.errors import SlmsqlError
 from slmsql.scoring import ex_summary as summarize
 
@@ -151,7 +151,58 @@ def world(tmp_path_factory):
                             {"slmsql.model": str(policy), "slmsql.base_adapter": "", "slmsql.adapter_mode": "none"},
                             summary, {"adapter": local_adapter})
     ids["local_eval"] = evaluate("toy-dev", "outputs/grpo/adapter", bird_a, model=str(policy))
+
+    # a sweep whose cell (variant `defaults`, seed 1) is the GRPO run above, evaluated by grpo_bird / grpo_spider
+    sweep_dir = root / "sweep-report"
+    sweep_dir.mkdir()
+    write_json_file(sweep_dir / "sweep.json", sweep_report(ids))
+    ids["sweep"] = run("sweep", SweepConfig(grid="defaults; runs_tier=0 format_tier=0", model=BASE,
+                                            eval_data=["data/bird.jsonl", "data/spider.jsonl"],
+                                            eval_names=["bird", "spider"]), {}, {"cells": 6},
+                       {"report": sweep_dir})
     return {"root": root, "adapter": adapter, "ids": ids, "db": root / "template.db"}
+
+
+def write_json_file(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def seed_results() -> dict:
+    """Per-question correctness of the sweep's cells, by (variant, eval set, seed), and the baselines."""
+    bird_a, bird_b = pairs(50, 4, 5, 90)
+    spider_a, spider_b = pairs(160, 6, 4, 30)
+    runs = {("defaults", "bird", 0): pairs(50, 6, 5, 88)[0], ("defaults", "bird", 1): bird_a,
+            ("defaults", "bird", 2): pairs(50, 3, 5, 91)[0],
+            ("defaults", "spider", 0): pairs(160, 5, 4, 31)[0], ("defaults", "spider", 1): spider_a,
+            ("defaults", "spider", 2): pairs(160, 7, 4, 29)[0]}
+    for seed, k in enumerate((26, 28, 30)):  # binary reward: far better on bird, unchanged on spider
+        runs[("runs_tier=0.0 format_tier=0.0", "bird", seed)] = pairs(50, k, 5, 94 - k)[0]
+        runs[("runs_tier=0.0 format_tier=0.0", "spider", seed)] = pairs(160, 4 + seed, 4, 32 - seed)[0]
+    return {"runs": runs, "baseline": {"bird": bird_b, "spider": spider_b}}
+
+
+def sweep_report(ids: dict) -> dict:
+    """report/sweep.json as `slmsql sweep` writes it, from hand-made per-question results."""
+    from slmsql.configs import Variant
+    from slmsql.stages import sweep
+
+    data = seed_results()
+    variants = [Variant("defaults", {}), Variant("runs_tier=0.0 format_tier=0.0", {"runs_tier": 0.0,
+                                                                                   "format_tier": 0.0})]
+    plan = sweep.Plan(variants, {}, None, [sweep.EvalSet("bird", "", ""), sweep.EvalSet("spider", "", "")],
+                      [0, 1, 2])
+    correct = {f"base-{e}": {f"q{i}": c for i, c in enumerate(b)} for e, b in data["baseline"].items()}
+    cells = []
+    for v in variants:
+        for seed in plan.seeds:
+            evals = {}
+            for e in ("bird", "spider"):
+                evals[e] = (ids[f"grpo_{e}"] if (v.label, seed) == ("defaults", 1) else f"{v.label}-{e}-{seed}")
+                correct[evals[e]] = {f"q{i}": c for i, c in enumerate(data["runs"][(v.label, e, seed)])}
+            cells.append({"variant": v.label, "seed": seed, "eval_runs": evals, "reused": False,
+                          "grpo_run": ids["grpo"] if (v.label, seed) == ("defaults", 1) else f"g-{v.label}-{seed}",
+                          "baseline_runs": {"bird": "base-bird", "spider": "base-spider"}})
+    return sweep.report(plan, cells, correct, alpha=0.05)
 
 
 @pytest.fixture
@@ -420,6 +471,8 @@ def test_no_token_fails_before_any_request(store, hub, tmp_path):
     (dict(filter_run="sft_bird"), "expected 'filter'"),
     (dict(eval_runs=""), "--eval-runs"),
     (dict(alias="v3"), "reserved"),
+    (dict(sweep_run="filter"), "has stage 'filter', expected 'sweep'"),
+    (dict(sweep_run="sweep", grpo_run="local_grpo"), "is not a cell of sweep run"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(store, hub, tmp_path, monkeypatch, change, message):
     import mlflow
@@ -548,3 +601,55 @@ def test_cli_dry_run(store, tmp_path):
 def test_config_holds_no_token_field():
     names = {f.name for f in dataclasses.fields(PublishConfig)}
     assert not {n for n in names if "token" in n}
+
+
+# ---- seeds: a card from one seed says so; a card with its sweep states the pooled verdict ------------------
+
+def test_single_seed_card_says_what_one_seed_cannot_tell(store, tmp_path):
+    from slmsql.card import SINGLE_SEED
+    from slmsql.stages.publish import main
+
+    main(config(store, tmp_path, dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    tldr = re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    assert tldr.endswith(SINGLE_SEED) and "one training seed" in SINGLE_SEED and SINGLE_SEED.count(". ") == 0
+    assert "## Seeds and variants" not in card
+
+
+def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
+    import numpy as np
+    from scipy import stats as scipy_stats
+
+    from slmsql.card import SINGLE_SEED
+    from slmsql.stages.publish import main
+
+    # no --eval-runs: the cell's own evaluations
+    main(config(store, tmp_path, evals=(), sweep_run=store["sweep"], dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    tldr = re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    assert SINGLE_SEED not in card
+    assert tldr.startswith("Pooled over 3 training seeds, this variant (`defaults`) does not beat its SFT starting "
+                           "point: a null result")
+    data = seed_results()
+    for dataset in ("bird", "spider"):  # the pooled numbers, computed here independently
+        seeds = np.array([data["runs"][("defaults", dataset, s)] for s in (0, 1, 2)], dtype=float)
+        base = np.array(data["baseline"][dataset], dtype=float)
+        ex = seeds.mean(axis=1)
+        p = scipy_stats.ttest_1samp(seeds.mean(axis=0) - base, 0).pvalue
+        assert (f"{dataset}: {base.mean():.1%} → {ex.mean():.1%} mean over seeds (between seeds: sd "
+                f"{100 * ex.std(ddof=1):.1f} points, {100 * ex.min():.1f}%–{100 * ex.max():.1f}%") in tldr
+        assert f"p = {p:.2f}" in tldr
+    assert "Holm-adjusted p = " in tldr and "over 4 comparisons" in tldr
+    assert "This adapter (seed 1) alone: bird: 36.9% → 36.2%" in tldr  # its own single-seed numbers follow
+    table = section(card, "Seeds and variants")
+    assert "seed 1 of the GRPO variant `defaults`, one of 2 variants × 3" in " ".join(table.split())
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 * (1 + 2)  # per eval set: a header and one row per variant
+    better = next(line for line in rows if line.startswith("| runs_tier=0.0 format_tier=0.0 |") and "improved" in line)
+    bird_binary = np.array([data["runs"][("runs_tier=0.0 format_tier=0.0", "bird", s)] for s in (0, 1, 2)]).mean(1)
+    assert f"| {100 * bird_binary.mean():.1f}% | {100 * bird_binary.std(ddof=1):.1f} |" in better
+    assert sum("**defaults** (this adapter's)" in line for line in rows) == 2
+    assert store["sweep"] in section(card, "Provenance") and "slmsql sweep" in section(card, "Reproduce")
+    assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
+    # the same results as a card given the eval runs explicitly
+    assert front_matter(card)["model-index"][0]["results"][0]["metrics"][0]["value"] == 36.2

@@ -209,6 +209,8 @@ class PublishConfig(Common):
     grpo_run: str = opt("", "MLflow run id of the GRPO run.", required=True)
     eval_runs: list[str] = opt([], "Comma-separated MLflow run ids of evaluation runs.")
     filter_run: str = opt("", "MLflow run id of the filter run.")
+    sweep_run: str = opt("", "MLflow run id of the sweep whose cell --grpo-run is: the card then carries the "
+                         "variants x seeds table and states the pooled verdict (--eval-runs default: the cell's).")
     repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
     private: bool = opt(False, "Create the Hub repo private.")
     dry_run: bool = opt(False, "Write the folder that would be pushed; push nothing.")
@@ -248,9 +250,47 @@ class PipelineConfig(Common):
     output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 
 
+@dataclass
+class SweepConfig(Common):
+    """GRPO variants x training seeds from one starting policy and one RL set: every cell trains and evaluates
+    as child runs of one parent, which compares each variant (pooled over seeds) with the starting policy."""
+
+    key_metrics: ClassVar = ("variants", "cells", "cells_reused")
+
+    grid: str = opt("", "GRPO variants: space-separated axes FIELD=v1,v2 (every combination); ';' separates "
+                    "groups, whose variants add up; 'defaults' is the GRPO config unchanged; a list field's "
+                    "items are joined by '+'; 'trainer_args.KEY=v1,v2' varies one TRL field. "
+                    "Empty: the GRPO config alone.")
+    seeds: int = opt(3, "Training seeds per variant: --seed, --seed + 1, ...")
+    model: str = opt("outputs/sft", "Starting policy: a Hub id or a local path.")
+    base_adapter: str = opt("", "Starting adapter on --model; every cell trains it further.")
+    data: str = opt("outputs/filter/band.jsonl", "RL data, the same for every cell.")
+    db_root: str = opt("outputs/toy/databases", "Database folder of the RL data (and of the eval sets, unless "
+                       "--eval-db-roots).")
+    eval_data: list[str] = opt(["outputs/toy/dev.jsonl", "outputs/toy/dev_cross.jsonl"],
+                               "Comma-separated eval gold files.")
+    eval_names: list[str] = opt([], "Comma-separated dataset names, one per eval file (default: the files' stems).")
+    eval_db_roots: list[str] = opt([], "Comma-separated database folders, one per eval file (default: --db-root).")
+    baseline_runs: list[str] = opt([], "Comma-separated evaluate run ids of the starting policy, one per eval set "
+                                   "(default: evaluate it here, once per eval set).")
+    alpha: float = opt(0.05, "Significance level (family-wise, Holm over every variant x eval set).")
+    grpo_recipe: str = opt("", "YAML recipe for every GRPO cell (the grid's values override it).")
+    evaluate_recipe: str = opt("", "YAML recipe for every evaluation.")
+    overrides: dict = opt({}, "Options for every cell, e.g. 'grpo.max_steps=20 evaluate.batch_size=32'.")
+    reuse: bool = opt(True, "Reuse finished cells whose parameters and code version match.")
+    output_dir: str = opt("outputs/sweep", "Folder for the cells' outputs and the report (report/, replaced "
+                          "on every run).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        parse_grid(self.grid)  # a bad grid fails here, before any run starts
+        if self.seeds < 1:
+            raise DataError(f"must be at least 1, got {self.seeds}", "command line", field="seeds")
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
-          "validate": ValidateConfig, "pipeline": PipelineConfig}
+          "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig}
 
 
 def fields(cls):
@@ -314,6 +354,93 @@ def coerce(cls, name: str, value, source="command line"):
     if choices and value not in choices:
         raise DataError(f"must be one of {list(choices)}, got {value!r}", source, field=name)
     return value
+
+
+def param_text(value) -> str:
+    """A value as a command-line / MLproject parameter string, parsed back to the same value by `coerce`."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+# GRPO fields a sweep sets itself, and the option that sets them
+SWEEP_OWNED = {"seed": "--seeds", "model": "--model", "base_adapter": "--base-adapter", "data": "--data",
+               "db_root": "--db-root", "experiment": "--experiment", "output_dir": "the sweep (per cell)",
+               "run_name": "the sweep (per cell)", "overwrite": "the sweep", "resume": "the sweep"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One GRPO variant of a sweep: `settings` (field -> value; `trainer_args` a dict of TRL fields) on top of
+    the sweep's GRPO config. `label` names it (`defaults` when it changes nothing)."""
+
+    label: str
+    settings: dict
+
+
+def parse_grid(text: str, source: str = "--grid") -> list[Variant]:
+    """`--grid` -> variants. Within a group, space-separated axes FIELD=v1,v2,... mean every combination of their
+    values; groups separated by ';' add up (`runs_tier=0 format_tier=0; dynamic_sampling=true` is 2 variants,
+    not 4). `defaults` is a group of one variant changing nothing. Values are coerced by the GRPO field's type;
+    the items of a list field's value are joined by '+' (rewards=execution+format,execution);
+    `trainer_args.KEY=v1,v2` varies one TRL field (values read as YAML scalars)."""
+    import itertools
+
+    cls = GRPOStageConfig
+    names = {f.name for f in fields(cls)}
+    variants: list[Variant] = []
+    for group in (text or "").split(";") if (text or "").strip() else ["defaults"]:
+        group = group.strip()
+        if not group:
+            raise DataError("empty variant group (two ';' in a row, or one at an end)", source)
+        if group == "defaults":
+            variants.append(Variant("defaults", {}))
+            continue
+        axes: dict[str, list] = {}
+        for token in group.split():
+            name, sep, values = token.partition("=")
+            if not sep or not name:
+                raise DataError(f"expected FIELD=v1,v2,..., got {token!r}", source)
+            key = name.split(".", 1)
+            if key[0] == "trainer_args" and len(key) == 2 and key[1]:
+                coerced = [parse_trainer_args(f"{key[1]}={v}")[key[1]] for v in values.split(",") if v.strip()]
+            elif name not in names:
+                raise DataError(f"no such GRPO option; known: {sorted(names - set(SWEEP_OWNED))} (or "
+                                "trainer_args.KEY)", source, field=name)
+            elif name in SWEEP_OWNED:
+                raise DataError(f"set by {SWEEP_OWNED[name]}, not by the grid", source, field=name)
+            elif typing.get_type_hints(cls)[name] is dict:
+                raise DataError("vary one TRL field at a time: trainer_args.KEY=v1,v2", source, field=name)
+            else:
+                raw = [v.strip() for v in values.split(",") if v.strip()]
+                multi = list_type(typing.get_type_hints(cls)[name])
+                coerced = [coerce(cls, name, v.split("+") if multi else v, source) for v in raw]
+            if not coerced:
+                raise DataError("no values", source, field=name)
+            if name in axes:
+                raise DataError("axis given twice in one group", source, field=name)
+            texts = [param_text(v) for v in coerced]
+            if len(set(texts)) != len(texts):
+                raise DataError(f"a value is given twice: {values!r}", source, field=name)
+            axes[name] = coerced
+        for combo in itertools.product(*axes.values()):
+            settings, label = {}, []
+            for name, value in zip(axes, combo):
+                if name.startswith("trainer_args."):
+                    settings.setdefault("trainer_args", {})[name.split(".", 1)[1]] = value
+                else:
+                    settings[name] = value
+                shown = "+".join(map(str, value)) if isinstance(value, list) else param_text(value)
+                label.append(f"{name}={shown}")
+            variants.append(Variant(" ".join(label), settings))
+    labels = [v.label for v in variants]
+    if dup := sorted({x for x in labels if labels.count(x) > 1}):
+        raise DataError(f"variant(s) {dup} given more than once", source)
+    return variants
 
 
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
