@@ -306,9 +306,23 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     tags = client.get_run(store["grpo"]).data.tags
     assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}" and tags["slmsql.hub_commit"] == result["hub_commit"]
     version = client.get_model_version_by_alias("tiny-grpo", "candidate")
-    assert version.source == f"runs:/{store['grpo']}/adapter" and version.run_id == store["grpo"]
+    assert version.source == result["text2sql_model"] and version.run_id == store["grpo"]
     assert version.tags["hub_commit"] == result["hub_commit"] and version.tags["hub_repo"] == REPO
     assert version.tags["eval_runs"] == f"{store['grpo_bird']},{store['grpo_spider']}"
+    # the version is a text2sql pyfunc logged to the GRPO run: the pushed adapter, a reference to the Hub base
+    # (no weights), the evaluations' prompt and generation settings
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.source_run_id == store["grpo"] and logged.name == "text2sql"
+    local = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    meta = mlflow.models.Model.load(str(local))
+    pyfunc = meta.flavors["python_function"]
+    assert pyfunc["config"] == {"base_model": BASE, "base_repo": None, "prompt_style": "compact",
+                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "greedy": True,
+                                      "grpo_run": store["grpo"], "hub_repo": REPO}
+    assert set(pyfunc["artifacts"]) == {"adapter"} and meta.signature.inputs.input_names() == \
+        ["question", "schema", "db_path", "evidence"] and meta.saved_input_example_info
+    for name in out.iterdir():  # the model's adapter is the pushed folder
+        assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
 
     # the token travels only in the Authorization header: not in any path, query or body ...
     token = hub.token.encode()
@@ -334,7 +348,7 @@ def dead_url():
 
 
 def cli_args(cfg: PublishConfig) -> list[str]:
-    return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", cfg.eval_runs, "--filter-run", cfg.filter_run,
+    return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", ",".join(cfg.eval_runs), "--filter-run", cfg.filter_run,
             "--repo-id", cfg.repo_id, "--output-dir", cfg.output_dir]
 
 
