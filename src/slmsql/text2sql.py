@@ -21,8 +21,6 @@ still needs torch, transformers and peft at the pinned versions), and in a proce
 slmsql MLflow would swap the library's modules for the copy's mid-process.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import logging
@@ -31,6 +29,7 @@ import shutil
 from pathlib import Path
 
 import mlflow.pyfunc
+import pandas as pd
 
 from .errors import SlmsqlError
 
@@ -81,8 +80,6 @@ def _given(value) -> bool:
 
 
 def _rows(model_input) -> list[dict]:
-    import pandas as pd
-
     if isinstance(model_input, dict):
         model_input = [model_input]
     frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(list(model_input))
@@ -109,8 +106,8 @@ class Text2SQL(mlflow.pyfunc.PythonModel):
         self._cfg = _config(cfg)
         self._model = load_model(base, context.artifacts["adapter"])
 
-    def predict(self, context, model_input, params=None):
-        import pandas as pd
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        # (a DataFrame type hint: MLflow infers nothing from it; the signature below is the model's)
         from mlflow.exceptions import MlflowException
 
         from .generation import greedy_answers
