@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 from hubstub import HubStub
 from slmsql import stats
-from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SweepConfig, to_params
+from slmsql.configs import (EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SFTStageConfig,
+                            SweepConfig, to_params)
 from slmsql.errors import SlmsqlError
 from slmsql.scoring import ex_summary as summarize
 
@@ -160,6 +161,9 @@ def world(tmp_path_factory):
                                             eval_data=["data/bird.jsonl", "data/spider.jsonl"],
                                             eval_names=["bird", "spider"]), {}, {"cells": 6},
                        {"report": sweep_dir})
+    # the SFT run that wrote that checkpoint (found by its --output-dir): the pushed base's card cites it
+    ids["sft"] = run("sft", SFTStageConfig(model=BASE, output_dir=str(policy), data="toy/sft.jsonl", max_steps=300),
+                     {"slmsql.model": BASE, "slmsql.policy_kind": "full"}, {"steps": 300, "train_loss": 0.125}, {})
     return {"root": root, "adapter": adapter, "ids": ids, "db": root / "template.db"}
 
 
@@ -360,9 +364,23 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     tags = client.get_run(store["grpo"]).data.tags
     assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}" and tags["slmsql.hub_commit"] == result["hub_commit"]
     version = client.get_model_version_by_alias("tiny-grpo", "candidate")
-    assert version.source == f"runs:/{store['grpo']}/adapter" and version.run_id == store["grpo"]
+    assert version.source == result["text2sql_model"] and version.run_id == store["grpo"]
     assert version.tags["hub_commit"] == result["hub_commit"] and version.tags["hub_repo"] == REPO
     assert version.tags["eval_runs"] == f"{store['grpo_bird']},{store['grpo_spider']}"
+    # the version is a text2sql pyfunc logged to the GRPO run: the pushed adapter, a reference to the Hub base
+    # (no weights), the evaluations' prompt and generation settings
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.source_run_id == store["grpo"] and logged.name == "text2sql"
+    local = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    meta = mlflow.models.Model.load(str(local))
+    pyfunc = meta.flavors["python_function"]
+    assert pyfunc["config"] == {"base_model": BASE, "base_repo": None, "prompt_style": "compact",
+                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "greedy": True,
+                                      "grpo_run": store["grpo"], "hub_repo": REPO}
+    assert set(pyfunc["artifacts"]) == {"adapter"} and meta.signature.inputs.input_names() == \
+        ["question", "schema", "db_path", "evidence"] and meta.saved_input_example_info
+    for name in out.iterdir():  # the model's adapter is the pushed folder
+        assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
 
     # the token travels only in the Authorization header: not in any path, query or body ...
     token = hub.token.encode()
@@ -473,6 +491,9 @@ def test_no_token_fails_before_any_request(store, hub, tmp_path):
     (dict(alias="v3"), "reserved"),
     (dict(sweep_run="filter"), "has stage 'filter', expected 'sweep'"),
     (dict(sweep_run="sweep", grpo_run="local_grpo"), "is not a cell of sweep run"),
+    (dict(base_repo="stub-user/tiny-sft"), "is on the Hub already; --base-repo is for a local base"),
+    (dict(base_repo=REPO), "--base-repo must differ from --repo-id"),
+    (dict(base_repo="not a repo"), "repo-id 'not a repo'"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(store, hub, tmp_path, monkeypatch, change, message):
     import mlflow
@@ -580,9 +601,73 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
     assert "## RL data" not in card and "claims no gain and no loss" in card  # no filter run, no baseline
 
     monkeypatch.setenv("HF_TOKEN", hub.token)
-    with pytest.raises(SlmsqlError, match="is a local checkpoint, not a Hub model id"):
+    with pytest.raises(SlmsqlError, match="is a local checkpoint, not a Hub model id: give --base-repo OWNER/NAME"):
         main(config(store, tmp_path, overwrite=True, **local))
     assert hub.requests == []
+
+
+BASE_REPO = "stub-user/tiny-sft"
+
+
+def test_local_base_is_pushed_with_its_own_card(store, world, hub, tmp_path, monkeypatch, caplog):
+    """--base-repo: the local base goes to its own repo first (its own commit and card), the adapter's card and
+    adapter_config.json name that repo, and the registered text2sql model holds the base's weights."""
+    import mlflow
+
+    from slmsql.stages.publish import main
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    caplog.set_level(logging.DEBUG)
+    local = dict(grpo_run=store["local_grpo"], eval_runs=store["local_eval"], filter_run="", base_repo=BASE_REPO)
+    result = main(config(store, tmp_path, **local))
+    out, policy = tmp_path / "out", world["root"] / "sft-policy"
+
+    commits = [r["path"] for r in hub.requests if r["method"] == "POST" and "/commit/" in r["path"]]
+    assert commits == [f"/api/models/{BASE_REPO}/commit/main", f"/api/models/{REPO}/commit/main"]  # base first
+    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1] and hub.unhandled == []
+    assert REPO in hub.repos[BASE_REPO]["commits"][0]["message"]
+    base = hub.files(BASE_REPO)
+    assert set(base) == {p.name for p in policy.iterdir()} | {"README.md"}
+    assert all(base[p.name] == p.read_bytes() for p in policy.iterdir())  # the checkpoint as it is
+    assert base == {p.name: p.read_bytes() for p in (out / "base").iterdir()}
+    card = base["README.md"].decode()
+    meta = front_matter(card)
+    assert meta["base_model"] == BASE and meta["base_model_relation"] == "finetune"
+    assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0"
+    assert f"A full fine-tune of [`{BASE}`](https://huggingface.co/{BASE}) by slmsql sft run `{store['sft']}`" in card
+    assert "300 steps" in card and f"[`{REPO}`]" in card and str(policy) in card
+
+    adapter = hub.files(REPO)
+    assert set(adapter) == {p.name for p in out.iterdir() if p.is_file()}
+    assert front_matter(adapter["README.md"].decode())["base_model"] == BASE_REPO
+    config_ = json.loads(adapter["adapter_config.json"])
+    assert config_["base_model_name_or_path"] == BASE_REPO
+    original = json.loads((world["root"] / "local-adapter" / "adapter_config.json").read_text())
+    assert config_ == {**original, "base_model_name_or_path": BASE_REPO}
+
+    client = mlflow.MlflowClient()
+    tags = client.get_run(store["local_grpo"]).data.tags
+    assert tags["slmsql.base_hub_commit"] == result["base_hub_commit"] == hub.repos[BASE_REPO]["commits"][0]["oid"]
+    version = client.get_model_version_by_alias("tiny-grpo", "candidate")
+    assert version.tags["base_repo"] == BASE_REPO and version.source == result["text2sql_model"]
+    model_dir = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    pyfunc = mlflow.models.Model.load(str(model_dir)).flavors["python_function"]
+    assert pyfunc["config"]["base_model"] is None and pyfunc["config"]["base_repo"] == BASE_REPO
+    assert pyfunc["artifacts"]["base"]["path"] == "artifacts/tiny-sft"  # named as the repo: see text2sql.stage_base
+    assert all((model_dir / "artifacts/tiny-sft" / p.name).read_bytes() == p.read_bytes() for p in policy.iterdir())
+
+    again = main(config(store, tmp_path, overwrite=True, **local))  # nothing changed: no commit, same version
+    assert not again["new_commit"] and not again["base_new_commit"]
+    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]
+    assert again["text2sql_model"] == result["text2sql_model"] and again["model_version"] == result["model_version"]
+
+    token = hub.token.encode()
+    for r in hub.requests:
+        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
+    for root in (tmp_path, world["root"]):
+        for path in root.rglob("*"):
+            assert not path.is_file() or token not in path.read_bytes(), path
+    assert hub.token not in caplog.text and caplog.text
 
 
 def test_cli_dry_run(store, tmp_path):

@@ -1,4 +1,5 @@
 """The model card: facts gathered from the MLflow runs -> a context -> `model_card/README.md.j2` -> README.md.
+A local base pushed beside the adapter (publish --base-repo) gets its own card: `model_card/base.md.j2`.
 
 Every number on the card is read from a run (params, metrics, metrics.json, the filter's summary.json, the
 adapter's adapter_config.json, a sweep's report/sweep.json); the wording of the conclusion is chosen from the
@@ -53,6 +54,17 @@ class Runs:
     history: dict = field(default_factory=dict)  # per-step metric -> [values], for ranges
     sweep_run: object = None  # the sweep this GRPO run is a cell of, and its report (report/sweep.json)
     sweep: dict | None = None
+    base: Base | None = None  # a local base pushed with --base-repo
+    settings: dict | None = None  # the evaluation runs' prompt and generation settings (text2sql)
+
+
+@dataclass
+class Base:
+    """A local base model folder and the runs that made it (None where no run is known)."""
+
+    path: str
+    sft: object = None  # the SFT run that wrote the folder
+    parent: object = None  # the tiny-model run that built the SFT run's starting model, if it was that
 
 
 def _num(value):
@@ -298,7 +310,7 @@ def context(runs: Runs, cfg) -> dict:
         cmds.append((f"evaluate the GRPO adapter on {r['dataset']}{note}", command("evaluate", run.data.params)))
     # only what shapes the pushed files: the output folder or a registry alias must not change the card
     shaping = {k: v for k, v in configs.to_params(cfg).items()
-               if k in ("grpo_run", "eval_runs", "filter_run", "sweep_run", "repo_id", "private", "license")}
+               if k in ("grpo_run", "eval_runs", "filter_run", "sweep_run", "repo_id", "base_repo", "private", "license")}
     cmds.append(("this card (run ids: those of the runs above)", command("publish", shaping)))
     sweep = _sweep(runs)
     if sweep and len(sweep["seeds"]) > 1:
@@ -307,8 +319,9 @@ def context(runs: Runs, cfg) -> dict:
         summary = f"{tldr(results, start, telemetry)} {SINGLE_SEED}"
     return {
         "model_name": cfg.repo_id.split("/")[1], "repo_id": cfg.repo_id,
-        "base_model": hub_id(model) or model, "base_on_hub": hub_id(model) is not None,
-        "model_tag": model,
+        "base_model": cfg.base_repo if runs.base else hub_id(model) or model,
+        "base_on_hub": runs.base is not None or hub_id(model) is not None,
+        "base_pushed": runs.base is not None, "model_tag": model,
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
         "start": start, "tldr": summary, "results": results, "sweep": sweep,
         "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",
@@ -334,15 +347,37 @@ def card_data(ctx: dict, license: str):
                          model_name=ctx["model_name"], eval_results=evals or None)
 
 
-def render(ctx: dict, data) -> str:
+def base_context(runs: Runs, cfg) -> dict:
+    """The base's card: what it is (the SFT run that wrote it, from what) and what it is the base of."""
+    base, sft = runs.base, runs.base.sft
+    start = sft.data.params.get("model", "") if sft else ""
+    return {"model_name": cfg.base_repo.split("/")[1], "repo_id": cfg.base_repo, "adapter_repo": cfg.repo_id,
+            "path": base.path, "grpo_run": runs.grpo.info.run_id, "sft": sft, "p": sft.data.params if sft else {},
+            "kind": sft.data.tags.get("slmsql.policy_kind", "") if sft else "",
+            "steps": sft.data.metrics.get("steps") if sft else None,
+            "train_loss": sft.data.metrics.get("train_loss") if sft else None,
+            "start": start, "start_hub": hub_id(start) if start else None, "parent": base.parent,
+            "parent_parameters": base.parent.data.metrics.get("parameters") if base.parent else None,
+            "command": command("sft", sft.data.params) if sft else ""}
+
+
+def base_card_data(ctx: dict, license: str):
+    from huggingface_hub import ModelCardData
+
+    extra = {"base_model": ctx["start_hub"], "base_model_relation": "finetune"} if ctx["start_hub"] else {}
+    return ModelCardData(library_name="transformers", license=license, pipeline_tag="text-generation",
+                         tags=["text-to-sql", "sql", "sft", "slmsql"], model_name=ctx["model_name"], **extra)
+
+
+def render(ctx: dict, data, template: str = "README.md.j2") -> str:
     import jinja2
 
-    if not (TEMPLATE_DIR / "README.md.j2").is_file():
-        raise SlmsqlError(f"model card template not found: {TEMPLATE_DIR / 'README.md.j2'}")
+    if not (TEMPLATE_DIR / template).is_file():
+        raise SlmsqlError(f"model card template not found: {TEMPLATE_DIR / template}")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
     env.filters.update(pct=pct, pts=pts, points=points, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
     try:
-        return env.get_template("README.md.j2").render(front_matter=data.to_yaml(), **ctx)
+        return env.get_template(template).render(front_matter=data.to_yaml(), **ctx)
     except jinja2.UndefinedError as e:  # a run that lacks a param or metric the card states
         raise SlmsqlError(f"model card: the runs lack a value the card needs ({e.message})") from None

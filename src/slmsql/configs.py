@@ -212,6 +212,9 @@ class PublishConfig(Common):
     sweep_run: str = opt("", "MLflow run id of the sweep whose cell --grpo-run is: the card then carries the "
                          "variants x seeds table and states the pooled verdict (--eval-runs default: the cell's).")
     repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
+    base_repo: str = opt("", "Hub repo OWNER/NAME to push a local base model (a full fine-tune) to, with its own "
+                         "card; the adapter's card and adapter_config.json then name it as the base.")
+    base_run: str = opt("", "MLflow run id of the SFT run that wrote the local base (default: found from its path).")
     private: bool = opt(False, "Create the Hub repo private.")
     dry_run: bool = opt(False, "Write the folder that would be pushed; push nothing.")
     endpoint: str = opt("", "Hub endpoint (default: HF_ENDPOINT or huggingface.co).")
@@ -246,7 +249,11 @@ class PipelineConfig(Common):
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
-    repo_id: str = opt("slmsql/toy-grpo", "Hub repo id the card is written for (the pipeline only dry-runs).")
+    repo_id: str = opt("slmsql/toy-grpo", "Hub repo id of the GRPO adapter.")
+    base_repo: str = opt("slmsql/toy-sft", "Hub repo id of the SFT model (the adapter's local base, pushed too).")
+    push: bool = opt(False, "Push base and adapter to the Hub and register the text2sql model (needs a token: "
+                     "HF_TOKEN or `hf auth login`); else publish is a dry run.")
+    hub_endpoint: str = opt("", "Hub endpoint for the push (default: HF_ENDPOINT or huggingface.co).")
     output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 
 

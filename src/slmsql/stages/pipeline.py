@@ -1,6 +1,8 @@
 """The whole lifecycle in one command, as MLflow's multistep-workflow pattern:
 
-toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev and dev_cross) -> publish --dry-run
+toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev and dev_cross) -> publish
+(--dry-run unless --push: then the SFT model goes to --base-repo, the adapter to --repo-id, and the text2sql
+model is registered)
 
 Each step is its own `mlflow.run` (local env manager) under one parent run, reused when a finished run with
 the same parameters and code version exists (`slmsql.workflow`).
@@ -41,9 +43,10 @@ def main(cfg: PipelineConfig) -> dict:
             evals[split] = s.run("evaluate", f"eval-grpo-{split}", model=policy, adapter=adapter, data=data,
                                  db_root=dbs, dataset_name=f"toy-{split}", baseline_run=base.info.run_id)
             evals[f"sft-{split}"] = base
+        push = {"dry_run": "false", "endpoint": cfg.hub_endpoint} if cfg.push else {"dry_run": "true"}
         s.run("publish", "publish", grpo_run=grpo.info.run_id, filter_run=filt.info.run_id,
-                     eval_runs=",".join(evals[x].info.run_id for x in ("dev", "dev_cross")),
-                     repo_id=cfg.repo_id, dry_run="true")
+              eval_runs=",".join(evals[x].info.run_id for x in ("dev", "dev_cross")),
+              repo_id=cfg.repo_id, base_repo=cfg.base_repo, **push)
         headline = headline_numbers(filt, grpo, evals)
         mlflow.log_metrics(tracking.numeric(headline))
         print_headline(headline, s.out / "publish" / "README.md")
