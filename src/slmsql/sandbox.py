@@ -231,8 +231,12 @@ class SandboxPool:
     def __init__(self, workers: int | None = None, limits: Limits = Limits(), *,
                  chunksize: int | None = None, start_method: str | None = None, runner=None):
         """`runner(db_file, sql, limits) -> tuple` executes one job in a worker (default: the sandbox's own);
-        a module-level function, so it pickles. Tests pass one that crashes or hangs on purpose."""
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        a module-level function, so it pickles. Tests pass one that crashes or hangs on purpose.
+        `workers` by default: this process's share of the CPUs (all of them, unless a launcher started
+        several processes on this machine, each with its own pool)."""
+        from .distributed import cpu_share  # here: the module itself imports nothing of slmsql
+
+        self.workers = max(1, workers or cpu_share())
         self.limits, self.chunksize = limits, chunksize
         self._ctx = mp.get_context(start_method or _default_start_method())
         if self._ctx.get_start_method() == "forkserver":
