@@ -242,3 +242,29 @@ def test_no_barrier_without_a_process_group(monkeypatch):
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         distributed.barrier()
+
+
+def test_a_killed_process_leaves_no_sandbox_workers(shop):
+    """A rank killed outright (SIGKILL: the OOM killer, a launcher giving up on it) cannot close its sandbox
+    pool; its workers must not outlive it (nor the forkserver they keep alive)."""
+    marker = uuid.uuid4().hex
+    code = ("import sys, time\nfrom slmsql.sandbox import SandboxPool\npool = SandboxPool(workers=2)\n"
+            "assert pool.run([(sys.argv[1], 'SELECT 1')])[0].status == 'ok'\nprint('ready', flush=True)\n"
+            "time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), MARK: marker}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(shop / "shop" / "shop.sqlite")], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len([p for p in psutil.process_iter() if _marked(p, marker)]) >= 4  # the owner, its resource tracker and forkserver, a worker
+    finally:
+        proc.kill()
+        proc.wait()
+    assert leftovers(marker, grace_s=10) == []
+
+
+def _marked(p, marker) -> bool:
+    try:
+        return p.environ().get(MARK) == marker
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False

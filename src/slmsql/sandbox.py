@@ -196,8 +196,24 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _init_worker(limits: Limits, slots, counter, runner):
+def _follow(owner: int) -> None:
+    """Exit once the pool's owner is gone. An owner killed outright (SIGKILL, the OOM killer, a launcher
+    stopping a rank) never closes its pool, and the workers (children of the forkserver, not of the owner)
+    would wait on their job queue forever, keeping the forkserver alive with them."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+
+
+def _init_worker(limits: Limits, slots, counter, runner, owner: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if owner is not None:
+        threading.Thread(target=_follow, args=(owner,), daemon=True).start()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
@@ -279,7 +295,7 @@ class SandboxPool:
             counter = self._ctx.Value("i", 0)
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=self._ctx, initializer=_init_worker,
-                initargs=(self.limits, self._slots, counter, self._runner))
+                initargs=(self.limits, self._slots, counter, self._runner, os.getpid()))
         return self._pool
 
     def _restart(self):
