@@ -14,6 +14,7 @@ with the same adapter.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -202,6 +203,61 @@ def test_sft_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tmp
 
 
 # ---- stages that run as one process; the rank helpers ------------------------------------------------------
+
+PROTOCOL = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from slmsql import distributed
+from slmsql.errors import SlmsqlError
+from slmsql.outputs import Staged
+
+dist.init_process_group("gloo")
+rank, out, seen = dist.get_rank(), Path(sys.argv[1]), {}
+
+def attempt(name, fn):
+    try:
+        seen[name] = ["ok", fn()]
+    except SlmsqlError as e:
+        seen[name] = ["error", str(e)]
+
+attempt("same_config", lambda: distributed.check_same("config", {"lr": 1, "data": "a"}))
+attempt("other_config", lambda: distributed.check_same("config", {"lr": 1, "data": "ab"[rank]}))
+def staged():
+    with Staged(out, identity={"k": 1}, resume=False) as st:
+        st.bind("run-1")
+        made = st.work.is_dir()
+    return [made, st.run_id, out.is_dir(), sorted(p.name for p in out.parent.iterdir())]
+attempt("staged", staged)
+distributed.barrier()
+if rank == 0:  # an unfinished run left behind
+    (out.parent / "left.partial").mkdir()
+distributed.barrier()
+attempt("leftover", lambda: Staged(out.parent / "left", identity={"k": 1}, resume=False).__enter__() and None)
+print(json.dumps(seen))
+"""
+
+
+def test_ranks_share_one_folder_and_one_config(tmp_path):
+    """Two real gloo ranks on the library alone (no model): the main process prepares and promotes the one
+    output folder; its errors reach the other rank; a config that differs between ranks is refused on both."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")], text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    for rank, got in enumerate(seen):
+        assert got["same_config"] == ["ok", None]
+        assert got["other_config"][0] == "error" and "rank 1 resolved another config than rank 0 (fields " \
+            "['data'])" in got["other_config"][1]
+        assert got["staged"] == ["ok", [True, None, True, ["out"]]]  # one folder, promoted, nothing left
+        assert got["leftover"][0] == "error" and got["leftover"][1].endswith(
+            "left.partial holds an unfinished run: pass --resume to continue it, or --overwrite")
+    assert seen[1]["leftover"][1].startswith("the main process failed: ")
 
 @pytest.mark.parametrize("stage", ["filter", "evaluate"])
 def test_one_process_stages_refuse_several_ranks(stage, tmp_path, monkeypatch):

@@ -43,9 +43,9 @@ def configure() -> str:
 def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None, run_id: str | None = None):
     """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
 
-    Launched as several processes, the main process alone starts and logs the run, after checking that every
-    process resolved the same config; the others get a stand-in holding the run's id and must log nothing
-    (an MLflow call there would start a second run). The run records the world size and the launcher."""
+    Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
+    holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
+    the world size and the launcher."""
     import types
 
     import mlflow
@@ -53,7 +53,6 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
     from .configs import to_params
 
     params = {**to_params(cfg), **(params or {})}
-    distributed.check_same("config", params)
     if not distributed.is_main():
         yield types.SimpleNamespace(info=types.SimpleNamespace(run_id=distributed.receive()))
         return
