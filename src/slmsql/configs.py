@@ -36,6 +36,9 @@ def opt(default, help: str, **meta):
 @dataclass
 class Common:
     key_metrics: ClassVar = ()  # what `slmsql runs` shows for this stage
+    # Whether the stage runs as several processes under torchrun / `accelerate launch` (one MLflow run, one
+    # output: see distributed.py); the others refuse such a launch.
+    multiprocess: ClassVar = False
     output_dir: str = opt("outputs/run", "Folder for this stage's outputs (refused if not empty unless --overwrite).")
     overwrite: bool = opt(False, "Allow writing into a non-empty output folder.")
     experiment: str = opt("slmsql", "MLflow experiment name.")
@@ -54,7 +57,8 @@ class Common:
 @dataclass
 class Workers:
     timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
-    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core).")
+    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core; launched as several processes, "
+                          "each one's share).")
     match: str = opt("bird", "Answer matching: bird (set semantics) or spider (test-suite multiset semantics).",
                      choices=("bird", "spider"))
 
@@ -132,6 +136,7 @@ class SFTStageConfig(Lora, Prompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
+    multiprocess: ClassVar = True
 
     data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
@@ -167,6 +172,7 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
                              "summary/exec_frac_groups_correctness_varies", "steps")
+    multiprocess: ClassVar = True
 
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
