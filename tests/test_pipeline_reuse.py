@@ -40,9 +40,9 @@ class FakeRun:
         self.tmp, self.names = tmp_path, []
 
     def __call__(self, uri, entry_point, env_manager, experiment_id, run_name, parameters, synchronous):
+        from mlflow.entities import Metric, Param, RunTag
         from mlflow.projects import _project_spec
         from mlflow.projects.utils import _create_run
-        from mlflow.entities import Metric, Param, RunTag
         from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
         from slmsql.configs import STAGES, to_params
@@ -54,7 +54,8 @@ class FakeRun:
         client.set_tag(run_id, MLFLOW_RUN_NAME, run_name)
         # the stage: `slmsql <stage>` run by the shell with the command `mlflow run` builds (cli.py resolves it)
         stage = entry_point.replace("_", "-")
-        command = _project_spec.load_project(pipeline.ROOT).get_entry_point(entry_point).compute_command(parameters, None)
+        project = _project_spec.load_project(pipeline.ROOT)
+        command = project.get_entry_point(entry_point).compute_command(parameters, None)
         argv = shlex.split(command)[2:]
         values = {argv[i].removeprefix("--").replace("-", "_"): argv[i + 1] for i in range(0, len(argv), 2)}
         values.pop("recipe")
