@@ -3,13 +3,15 @@
 - a fresh LoRA: B matrices leave zero, grad_norm > 0, logits move (`learning.assert_learned`);
 - `--base-adapter` on an SFT LoRA, both modes: continue trains the SFT adapter's own tensors; stack merges it and
   trains a new LoRA on top. Reloading either as evaluate and filter load it (`models.load_model`), from the
-  output folder or from the run's MLflow artifact (what publish pushes), gives the trained model's logits;
+  output folder, the run's MLflow artifact (what publish pushes) or a Hub repo, gives the trained model's logits;
+  nested stacks and a stack trained further load with everything beneath them;
 - `filter --adapter` with the stacked adapter.
 All runs share one MLflow store (creating a store costs seconds) and train 2 steps.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -50,7 +52,7 @@ def trained(store, cfg):
     The logits come from the trainer's own model object, before anything is saved or reloaded."""
     import trl
 
-    root, uri = store
+    uri = store[1]
     seen = []
 
     class Recorded(trl.GRPOTrainer):
@@ -146,7 +148,7 @@ def test_continue_trains_the_sft_adapter_further(continued, sft_lora, store):
 
 
 def test_stack_trains_a_new_lora_on_the_merged_sft_adapter(stacked, sft_lora, store):
-    cfg, run_id, trained_logits = stacked
+    cfg, run_id, _ = stacked
     # a new LoRA (B left zero), and a model other than the merged SFT policy it started from
     assert_learned(cfg.output_dir, run_id, cfg.model, prompt_for(cfg), start=sft_lora,
                    client=mlflow.MlflowClient(store[1]))
@@ -156,6 +158,11 @@ def test_stacked_adapter_reloads_with_the_sft_change(stacked, sft_lora, store, t
     """The bug this guards: the stacked LoRA records the plain base model, so `evaluate --model BASE
     --adapter OUT/adapter` passed the base check and evaluated without the merged SFT adapter."""
     cfg, run_id, trained_logits = stacked
+    adapter = Path(cfg.output_dir) / "adapter"
+    # what PEFT records is the plain base, so the base check alone cannot tell: the stack record can
+    recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(recorded).resolve() == Path(cfg.model).resolve()
+    assert json.loads((adapter / models.STACK_RECORD).read_text())["base_adapter"] == str(sft_lora)
     ok, diff = reloads_as_trained(cfg, trained_logits)
     assert ok, f"loading the stacked adapter does not give the trained model (max logit difference {diff})"
     # the same from the run's MLflow artifact: what publish downloads and pushes
@@ -204,9 +211,8 @@ def test_filter_with_the_stacked_adapter(stacked, policy, store):
 
 def test_stacked_adapter_pushed_to_the_hub_loads_by_repo_id(stacked, monkeypatch):
     """What publish pushes is the artifact folder; `--adapter OWNER/NAME` then finds base_adapter/ on the Hub."""
-    from huggingface_hub import HfApi, hf_api
-
     from hubstub import HubStub
+    from huggingface_hub import HfApi, hf_api
 
     cfg, _, trained_logits = stacked
     with HubStub(lfs_threshold=1024) as stub:
@@ -219,3 +225,44 @@ def test_stacked_adapter_pushed_to_the_hub_loads_by_repo_id(stacked, monkeypatch
         assert f"{models.STACK_BASE}/adapter_model.safetensors" in stub.files("stub-user/stacked")
         ok, diff = reloads_as_trained(cfg, trained_logits, "stub-user/stacked")
     assert ok, f"the stacked adapter loaded from the Hub is not the trained model (max logit difference {diff})"
+
+
+def test_stacks_nest_and_a_continued_stack_keeps_its_base(policy, tmp_path):
+    """No training: random LoRAs on the tiny base. A LoRA stacked on a stacked one loads with both merged beneath
+    it, innermost first; a stacked adapter trained further (continue) keeps what it was stacked on."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(policy.tiny)
+
+    def lora(model, name, seed):  # B random, not zero: each adapter changes the logits
+        torch.manual_seed(seed)
+        config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        get_peft_model(model, config).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    def merged(model, *adapters):
+        for a in adapters:
+            model = PeftModel.from_pretrained(model, a).merge_and_unload()
+        return model
+
+    sft_a = lora(base(), "sft", 1)
+    stack_s = lora(merged(base(), sft_a), "stack", 2)
+    models.record_stack(stack_s, sft_a, merged=True)
+    stack_s2 = lora(merged(base(), sft_a, stack_s), "stack2", 3)
+    models.record_stack(stack_s2, stack_s, merged=True)
+    shutil.copytree(stack_s, tmp_path / "continued", ignore=shutil.ignore_patterns(models.STACK_BASE, "*.json"))
+    PeftModel.from_pretrained(merged(base(), sft_a), stack_s).save_pretrained(tmp_path / "continued")
+    models.record_stack(tmp_path / "continued", stack_s, merged=False)
+
+    tokens = {"input_ids": torch.tensor([[5, 17, 42, 7]])}
+    with torch.no_grad():
+        want_s2 = PeftModel.from_pretrained(merged(base(), sft_a, stack_s), stack_s2).eval()(**tokens).logits
+        want_s = PeftModel.from_pretrained(merged(base(), sft_a), stack_s).eval()(**tokens).logits
+        got = {name: models.load_model(policy.tiny, tmp_path / name, device="cpu", dtype="float32")[0](**tokens).logits
+               for name in ("stack2", "continued")}
+    assert torch.allclose(got["stack2"], want_s2, atol=1e-5)
+    assert torch.allclose(got["continued"], want_s, atol=1e-5)
+    assert not torch.allclose(want_s2, want_s, atol=1e-3)  # the layers differ, so the checks above can fail
+    assert (tmp_path / "stack2" / models.STACK_BASE / models.STACK_BASE / "adapter_model.safetensors").is_file()

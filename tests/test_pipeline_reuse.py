@@ -50,7 +50,8 @@ class FakeRun:
         self.names.append(client.get_run(run_id).info.run_name)
         # the stage: `slmsql <stage>` run by the shell with the command `mlflow run` builds (cli.py resolves it)
         stage = entry_point.replace("_", "-")
-        command = _project_spec.load_project(workflow.ROOT).get_entry_point(entry_point).compute_command(parameters, None)
+        project = _project_spec.load_project(workflow.ROOT)
+        command = project.get_entry_point(entry_point).compute_command(parameters, None)
         argv = shlex.split(command)[2:]
         values = {argv[i].removeprefix("--").replace("-", "_"): argv[i + 1] for i in range(0, len(argv), 2)}
         values.pop("recipe")
