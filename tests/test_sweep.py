@@ -205,8 +205,16 @@ def test_report_of_one_seed_has_no_sd():
     correct = {"b": {"q1": True, "q2": False, "q3": False}, "e": {"q1": True, "q2": True, "q3": False}}
     cells = [{"variant": "defaults", "seed": 0, "grpo_run": "g", "eval_runs": {"dev": "e"},
               "baseline_runs": {"dev": "b"}, "reused": False}]
-    [row] = sweep.report(plan, cells, correct, 0.05)["rows"]
+    rep = sweep.report(plan, cells, correct, 0.05)
+    [row] = rep["rows"]
     assert row["ex_sd"] is None and row["ex_mean"] == pytest.approx(2 / 3) and row["seeds"] == 1
+    # every question moved alike: the t statistic is infinite, written as null (JSON has no inf)
+    correct["e"] = {"q1": True, "q2": True, "q3": True}
+    correct["b"] = {"q1": False, "q2": False, "q3": False}
+    [row] = sweep.report(plan, cells, correct, 0.05)["rows"]
+    assert row["t"] is None and row["p"] == 0 and row["verdict"] == "improved"
+    json.dumps(rep, allow_nan=False)
+
 
 
 # ---- one small real sweep: 2 variants x 2 seeds, 2 GRPO steps each, a 12-question dev slice ----------------

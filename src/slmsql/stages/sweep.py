@@ -173,8 +173,9 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
     for row, p_holm in zip(rows, stats.holm([r["p"] for r in rows])):
         row["p_holm"] = p_holm
         row["verdict"] = stats.verdict(p_holm, row["diff"], alpha)
-    for row in rows:  # JSON has no NaN: the sd of one seed is undefined
-        row["ex_sd"] = None if row["ex_sd"] is None or math.isnan(row["ex_sd"]) else row["ex_sd"]
+    for row in rows:  # JSON has no NaN or inf: the sd of one seed, t when every question moved alike
+        for key in ("ex_sd", "t"):
+            row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
     return {
         "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "comparisons": len(rows),
         "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
