@@ -31,8 +31,8 @@ from pathlib import Path
 from .. import card as cards
 from .. import tracking
 from ..configs import PublishConfig
-from ..errors import SlmsqlError
 from ..data import write_json
+from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
 from ..outputs import Staged
 from ..registry import register, registry_name
@@ -117,7 +117,8 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
 def local_base(client, cfg: PublishConfig, grpo, model: str) -> cards.Base:
     """The local base to push: a full model folder, and the runs that made it (for its card)."""
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if not (path / "config.json").is_file() or not weights:
         raise SlmsqlError(f"--base-repo: the GRPO run's base {model!r} is not a model folder here (config.json and "
                           "weights): publish where it was trained, or copy it to that path")
     if (path / "adapter_config.json").is_file():
@@ -220,7 +221,7 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
         adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
         shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
         base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
-        model_uri, reused = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir)
+        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir)
     result.update(text2sql_model=model_uri)
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:
