@@ -5,11 +5,11 @@ command, with `--num_processes 2 --mixed_precision no` for CPU), SFT through `to
 one MLflow run, FINISHED, with the world size and the launcher; each metric once per step; one output folder
 (no `.partial`) with one adapter; no process left behind. Then each two-rank adapter (per-device batch B) is
 compared with a one-process run on batch 2B. SFT has no sampling: the adapters must agree to float precision.
-GRPO samples its completions, and TRL seeds every rank with seed + rank, so two ranks draw other completions
-than one process does (measured: the update differs by ~100%, see README): the GRPO launch therefore samples
-through `rowseeded.py` (each row from its own prompt-and-index seed, whatever the layout), and the test
-checks that both layouts trained on the same prompts, completions and advantages at every step and ended
-with the same adapter.
+GRPO samples its completions, and TRL seeds every rank with seed + rank, so two ranks draw other
+completions than one process does (measured: the updates differ by ~120% of their size, see README): the
+GRPO launch samples through `rowseeded.py` (each row from its own prompt-and-index seed, whatever the
+layout), and the test checks that both layouts trained on the same prompts, completions and advantages at
+every step and ended with the same adapter.
 """
 
 from __future__ import annotations
@@ -238,6 +238,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_ranks_share_one_folder_and_one_config(tmp_path):
     """Two real gloo ranks on the library alone (no model): the main process prepares and promotes the one
     output folder; its errors reach the other rank; a config that differs between ranks is refused on both."""
@@ -312,7 +313,8 @@ def test_a_killed_process_leaves_no_sandbox_workers(shop):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        assert len([p for p in psutil.process_iter() if _marked(p, marker)]) >= 4  # the owner, its resource tracker and forkserver, a worker
+        # the owner, its resource tracker and forkserver, at least one worker
+        assert len([p for p in psutil.process_iter() if _marked(p, marker)]) >= 4
     finally:
         proc.kill()
         proc.wait()
