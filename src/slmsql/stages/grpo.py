@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 
 from ..configs import GRPOStageConfig
@@ -25,11 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
-    from .. import grpo_variants
+    from .. import distributed, grpo_variants
     from ..rewards import check
 
     check(cfg.rewards, cfg.reward_weights)
-    grpo_variants.check(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # set by accelerate launch
+    grpo_variants.check(cfg, world_size=distributed.world_size())
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
