@@ -200,13 +200,20 @@ def test_filter_with_the_stacked_adapter(stacked, policy, store):
             "filter", "--data", str(data), "--db-root", str(policy.db_root), "--model", cfg.model,
             "--adapter", str(Path(cfg.output_dir) / "adapter"), "--output-dir", str(out), "--k", "2",
             "--max-new-tokens", "24", "--workers", "1", "--timeout-s", "2", "--run-name", "filter-stacked"])
-    assert result.exit_code == 0, result.output
-    rates = read(out / "passrates.jsonl")
+    # Which questions land in the band depends on this 2-step policy's samples (and on the machine's float
+    # reductions): an empty band is a legitimate result that the filter's own rl data check refuses (not_empty).
+    # Either way every question was sampled and scored with the stacked adapter.
+    finished = result.exit_code == 0
+    if not finished:
+        assert result.exit_code == 2 and "| **FAIL** | not_empty |" in result.output, result.output
+        assert result.output.count("**FAIL**") == 1, result.output
+    rates = read((out if finished else root / "filtered.partial") / "passrates.jsonl")
     assert [r["id"] for r in rates] == [r["id"] for r in read(data)] and all(len(r["statuses"]) == 2 for r in rates)
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
                                 "attributes.run_name = 'filter-stacked'")
-    assert run.info.status == "FINISHED" and run.data.tags["slmsql.adapter"] == str(Path(cfg.output_dir) / "adapter")
+    assert run.info.status == ("FINISHED" if finished else "FAILED")
+    assert run.data.tags["slmsql.adapter"] == str(Path(cfg.output_dir) / "adapter")
 
 
 def test_stacked_adapter_pushed_to_the_hub_loads_by_repo_id(stacked, monkeypatch):

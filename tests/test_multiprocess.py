@@ -234,7 +234,9 @@ if rank == 0:  # an unfinished run left behind
     (out.parent / "left.partial").mkdir()
 distributed.barrier()
 attempt("leftover", lambda: Staged(out.parent / "left", identity={"k": 1}, resume=False).__enter__() and None)
-print(json.dumps(seen))
+print(json.dumps(seen), flush=True)
+dist.barrier()
+dist.destroy_process_group()  # else gloo's threads may abort the interpreter at exit ("terminate called ...")
 """
 
 
