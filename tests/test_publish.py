@@ -382,15 +382,7 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     for name in out.iterdir():  # the model's adapter is the pushed folder
         assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
 
-    # the token travels only in the Authorization header: not in any path, query or body ...
-    token = hub.token.encode()
-    for r in hub.requests:
-        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
-    # ... and nowhere on disk: tracking store, every artifact folder, the pushed folder; nor in the logs
-    for root in (tmp_path, world["root"]):
-        for path in root.rglob("*"):
-            assert not path.is_file() or token not in path.read_bytes(), path
-    assert hub.token not in caplog.text and caplog.text  # something was logged, and not the token
+    assert_token_nowhere(hub, (tmp_path, world["root"]), caplog.text)
 
 
 # ---- which Hub the push goes to: --endpoint, else HF_ENDPOINT --------------------------------------------
@@ -404,6 +396,18 @@ def dead_url():
         s.bind(("127.0.0.1", 0))
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
+
+
+def assert_token_nowhere(hub, roots, log_text: str) -> None:
+    """The token travels only in the Authorization header: not in any path, query or body; and it is nowhere on
+    disk (tracking store, every artifact folder, the pushed folder) nor in the logs."""
+    token = hub.token.encode()
+    for r in hub.requests:
+        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
+    for root in roots:
+        for path in root.rglob("*"):
+            assert not path.is_file() or token not in path.read_bytes(), path
+    assert hub.token not in log_text and log_text  # something was logged, and not the token
 
 def cli_args(cfg: PublishConfig) -> list[str]:
     return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", ",".join(cfg.eval_runs), "--filter-run", cfg.filter_run,
@@ -661,13 +665,7 @@ def test_local_base_is_pushed_with_its_own_card(store, world, hub, tmp_path, mon
     assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]
     assert again["text2sql_model"] == result["text2sql_model"] and again["model_version"] == result["model_version"]
 
-    token = hub.token.encode()
-    for r in hub.requests:
-        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
-    for root in (tmp_path, world["root"]):
-        for path in root.rglob("*"):
-            assert not path.is_file() or token not in path.read_bytes(), path
-    assert hub.token not in caplog.text and caplog.text
+    assert_token_nowhere(hub, (tmp_path, world["root"]), caplog.text)
 
 
 def test_cli_dry_run(store, tmp_path):
