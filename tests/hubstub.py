@@ -102,6 +102,11 @@ class HubStub:
                    "HUGGINGFACE_CO_URL_TEMPLATE": self.url + "/{repo_id}/resolve/{revision}/{filename}"}
         for name, value in patches.items():
             monkeypatch.setattr(constants, name, value)
+        # The module-level functions (file_exists, which PEFT's from_pretrained calls, ...) use one HfApi made at
+        # import, whose endpoint was read from the constants then.
+        from huggingface_hub import hf_api
+
+        monkeypatch.setattr(hf_api.api, "endpoint", self.url)
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         with self._lock:

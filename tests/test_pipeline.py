@@ -1,18 +1,24 @@
-"""The whole toy lifecycle against a real `mlflow server` on loopback, checked through MlflowClient.
+"""The whole toy lifecycle against a real `mlflow server` on loopback, checked through MlflowClient, publishing
+for real (--push) to the loopback Hub stand-in (tests/hubstub.py): the SFT model and the GRPO adapter.
 
 Shortened (fewer SFT/GRPO steps) so CI stays quick; everything else is the embedded default, for real.
 """
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from hubstub import HubStub
 
 from slmsql.tracking import start_server
 
 pytestmark = pytest.mark.slow
 SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
          "grpo.num_generations=4 grpo.per_device_train_batch_size=8")
+REPO, BASE_REPO = "slmsql/toy-grpo", "slmsql/toy-sft"  # the pipeline's defaults
 
 
 @pytest.fixture(scope="module")
@@ -22,32 +28,41 @@ def lifecycle(tmp_path_factory):
     proc, uri = start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
                              log_file=log)
     try:
-        env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path()}
-        run = subprocess.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir",
-                              str(root / "out"), "--overrides", SHORT], cwd=root, env=env,
-                             capture_output=True, text=True, timeout=1500)
-        yield uri, root, run
+        with HubStub() as hub:
+            run = pipeline(uri, root, hub, timeout=1500)
+            yield uri, root, run, hub
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
 
 
-def _path():
-    import os
+def pipeline(uri, root, hub, timeout):
+    """`slmsql pipeline --push` in a fresh process, which reaches the stand-in only through --hub-endpoint and
+    gets the token only from HF_TOKEN (as hubstub.configure_client does in-process, by environment)."""
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
+           "HF_TOKEN": hub.token, "HF_HOME": str(root / "hf-home"), "HF_HUB_DISABLE_XET": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return subprocess.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
+                           "--overrides", SHORT, "--push", "--hub-endpoint", hub.url], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
+
+def _path():
     return f"{sys.prefix}/bin:{os.environ['PATH']}"
 
 
 def test_lifecycle_runs_and_prints_headline(lifecycle):
-    uri, root, run = lifecycle
+    uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     assert "slmsql lifecycle (embedded toy default) finished" in run.stdout
     assert "EX dev" in run.stdout and "model card" in run.stdout
 
 
 def test_every_step_is_a_child_run_with_its_metrics_and_artifacts(lifecycle, monkeypatch):
-    uri, root, run = lifecycle
+    uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     import mlflow
 
@@ -135,7 +150,7 @@ def test_lineage_run_uris_and_dataset_inputs(lifecycle):
 
 
 def test_card_states_the_measured_numbers(lifecycle):
-    uri, root, run = lifecycle
+    uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     import mlflow
 
@@ -151,10 +166,57 @@ def test_card_states_the_measured_numbers(lifecycle):
 
 
 def test_rerun_reuses_finished_steps(lifecycle):
-    uri, root, run = lifecycle
+    uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path()}
-    again = subprocess.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
-                            "--overrides", SHORT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    again = pipeline(uri, root, hub, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stderr.count("reused run") == 10
+    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing
+
+
+def test_pushed_to_the_hub_and_registered(lifecycle, monkeypatch, tmp_path):
+    """What arrived: the SFT model (its own commit and card, citing the runs that made it), the adapter naming it
+    as base; the registry's text2sql model answers the dev questions with evaluate's SQL; no token anywhere."""
+    uri, root, run, hub = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    import mlflow
+    import pandas as pd
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient()
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])}
+    out = root / "out"
+
+    assert sorted(hub.repos) == sorted([BASE_REPO, REPO]) and hub.unhandled == []
+    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]
+    base, adapter = hub.files(BASE_REPO), hub.files(REPO)
+    policy = out / "from-runs" / runs["sft"].info.run_id / "policy"
+    assert base == {p.name: p.read_bytes() for p in (out / "publish" / "base").iterdir()}
+    assert all(base[p.name] == p.read_bytes() for p in policy.iterdir())  # the SFT run's policy, as logged
+    card = base["README.md"].decode()
+    assert f"by slmsql sft run `{runs['sft'].info.run_id}`" in card and "A full fine-tune of the embedded tiny" in card
+    assert f"slmsql tiny-model run `{runs['tiny-model'].info.run_id}`" in card
+    assert adapter == {p.name: p.read_bytes() for p in (out / "publish").iterdir() if p.is_file()}
+    assert f"base_model: {BASE_REPO}\n" in adapter["README.md"].decode()
+    assert json.loads(adapter["adapter_config.json"])["base_model_name_or_path"] == BASE_REPO
+    assert runs["grpo"].data.tags["slmsql.hub_commit"] == hub.repos[REPO]["commits"][0]["oid"]
+
+    version = client.get_model_version_by_alias("toy-grpo", "candidate")
+    assert version.run_id == runs["grpo"].info.run_id and version.tags["base_repo"] == BASE_REPO
+    world = out / "from-runs" / runs["toy"].info.run_id / "toy"
+    gold = [json.loads(line) for line in (world / "dev.jsonl").read_text().splitlines()]
+    rows = [{"question": g["question"], "db_path": str(world / "databases" / g["db_id"] / f"{g['db_id']}.sqlite")}
+            for g in gold]
+    served = mlflow.pyfunc.load_model("models:/toy-grpo@candidate").predict(pd.DataFrame(rows))
+    predictions = mlflow.artifacts.download_artifacts(run_id=runs["eval-grpo-dev"].info.run_id,
+                                                      artifact_path="predictions.jsonl", dst_path=str(tmp_path))
+    evaluated = {p["id"]: p["sql"] for p in map(json.loads, Path(predictions).read_text().splitlines())}
+    assert [evaluated[g["id"]] for g in gold] == [None if pd.isna(s) else s for s in served["sql"]]
+
+    token = hub.token
+    assert token not in run.stdout + run.stderr
+    for r in hub.requests:
+        assert token.encode() not in (r["path"] + "?" + r["query"]).encode() + r["body"]
+    for path in root.rglob("*"):
+        assert not path.is_file() or token.encode() not in path.read_bytes(), path

@@ -131,20 +131,33 @@ def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
     return [render_prompt(tokenizer, builder.messages(ex)) for ex in examples]
 
 
-def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
-    """K completions per example, in example order, with the config's prompt, batch and length settings."""
+def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
+    """K completions per rendered prompt, with the config's batch, length, seed and backend settings."""
     model, tokenizer = model_and_tokenizer
-    prompts = prompts_for(cfg, examples, tokenizer)
     return generate(model, tokenizer, prompts, num_return_sequences=k, temperature=temperature, top_p=top_p,
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                     seed=cfg.seed if seed is None else seed, backend=cfg.backend)
 
 
+def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
+    """K completions per example, in example order, with the config's prompt, batch and length settings."""
+    prompts = prompts_for(cfg, examples, model_and_tokenizer[1])
+    return complete_prompts(cfg, prompts, model_and_tokenizer, k=k, temperature=temperature, top_p=top_p, seed=seed)
+
+
+def greedy_answers(cfg, prompts: list[str], model_and_tokenizer) -> list[dict]:
+    """The greedy answer to each rendered prompt: the raw completion and the SQL extracted from it. What
+    evaluate scores and what the served text2sql model returns (slmsql.text2sql) are both this."""
+    out = []
+    for (completion,) in complete_prompts(cfg, prompts, model_and_tokenizer):
+        sql, how = extract_sql(completion)
+        out.append({"completion": completion, "sql": sql, "extracted_by": how})
+    return out
+
+
 def predict(cfg, examples: list[Example], model_and_tokenizer) -> dict[str, dict]:
     """Greedy predictions keyed by id: the raw completion and the SQL extracted from it."""
-    preds = {}
-    for ex, (completion,) in zip(examples, complete(cfg, examples, model_and_tokenizer)):
-        sql, how = extract_sql(completion)
-        preds[ex.id] = {"completion": completion, "sql": sql, "extracted_by": how}
-    return preds
+    prompts = prompts_for(cfg, examples, model_and_tokenizer[1])
+    return {ex.id: answer for ex, answer in zip(examples, greedy_answers(cfg, prompts, model_and_tokenizer))}

@@ -260,6 +260,13 @@ class PromptBuilder:
             self._entries = {e["db_id"]: e for e in entries if isinstance(e, dict) and "db_id" in e}
         return self._entries.get(db_id)
 
+    def _keep(self, key: str, text: str, info: dict) -> str:
+        if info["truncated_schema"]:
+            log.warning("schema of %s is longer than %d characters: the prompt keeps only its first tables "
+                        "(%d characters)", key, self.max_chars, info["chars"])
+        self._schemas[key], self.info[key] = text, info
+        return text
+
     def schema(self, db_id: str) -> str:
         if db_id not in self._schemas:
             path = db_path(self.db_root, db_id)
@@ -271,17 +278,25 @@ class PromptBuilder:
             else:
                 where = f" and not in {self.tables_json}" if self.tables_json else ""
                 raise DataError(f"unknown db_id {db_id!r}: no database at {path}{where}", field="db_id")
-            if info["truncated_schema"]:
-                log.warning("schema of %s is longer than %d characters: the prompt keeps only its first tables "
-                            "(%d characters)", db_id, self.max_chars, info["chars"])
-            self._schemas[db_id], self.info[db_id] = text, info
+            self._keep(db_id, text, info)
         return self._schemas[db_id]
+
+    def schema_of_file(self, path) -> str:
+        """The schema text of one SQLite file, rendered exactly as `schema(db_id)` renders that database (a
+        served model is given a database path, not a db_id under a root)."""
+        key = str(Path(path).resolve())
+        if key not in self._schemas:
+            self._keep(key, *schema_text(path, self.example_values, self.max_chars, self.style))
+        return self._schemas[key]
 
     def messages(self, example) -> list[dict]:
         """Chat messages for an Example (or a dict with db_id, question and optional evidence)."""
         get = example.get if isinstance(example, dict) else lambda k: getattr(example, k, None)
-        return build_messages(get("question"), self.schema(get("db_id")), get("evidence"),
-                              system=self.style == "omnisql")
+        return self.chat(get("question"), self.schema(get("db_id")), get("evidence"))
+
+    def chat(self, question: str, schema: str, evidence: str | None = None) -> list[dict]:
+        """Chat messages for a question on a given schema text, in this builder's style."""
+        return build_messages(question, schema, evidence, system=self.style == "omnisql")
 
 
 def builder_for(cfg, db_root=None) -> PromptBuilder:

@@ -1,4 +1,4 @@
-"""The MLflow Model Registry side of publishing: a checked name, and a version of the GRPO run's adapter."""
+"""The MLflow Model Registry side of publishing: a checked name, and a version of the GRPO run's text2sql model."""
 
 from __future__ import annotations
 
@@ -29,29 +29,29 @@ def registry_name(cfg) -> str | None:
     return name
 
 
-def register(name: str, cfg, hub: dict) -> dict:
-    """A registry version of the GRPO run's adapter (reused when this run was registered before), tagged and aliased.
-
-    `mlflow.register_model("runs:/<id>/adapter")` needs an MLflow model (MLmodel) there; the adapter is a plain
-    PEFT folder, so the version is created directly with that runs:/ URI as its source."""
+def register(name: str, cfg, hub: dict, model_uri: str) -> dict:
+    """A registry version of the GRPO run's text2sql model (`model_uri`, logged to that run; the version made
+    from it before is reused), tagged with what was pushed, and aliased."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
-    source = f"runs:/{cfg.grpo_run}/adapter"
     try:
         client.create_registered_model(name)
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     same = [v for v in client.search_model_versions(f"name='{name}'")
-            if v.run_id == cfg.grpo_run and v.source == source]
-    version = same[0] if same else client.create_model_version(name, source, run_id=cfg.grpo_run)
+            if v.run_id == cfg.grpo_run and v.source == model_uri]
+    version = same[0] if same else mlflow.register_model(model_uri, name)
     tags = {"hub_repo": cfg.repo_id, "hub_url": hub["hub_url"], "hub_commit": hub["hub_commit"],
-            "grpo_run": cfg.grpo_run, "eval_runs": ",".join(cfg.eval_runs), "filter_run": cfg.filter_run}
+            "grpo_run": cfg.grpo_run, "eval_runs": ",".join(cfg.eval_runs), "filter_run": cfg.filter_run,
+            "flavor": "text2sql (mlflow.pyfunc)"}
+    if cfg.base_repo:
+        tags.update(base_repo=cfg.base_repo, base_commit=hub["base_commit"])
     for key, value in tags.items():
         client.set_model_version_tag(name, version.version, key, value)
     if cfg.alias:
         client.set_registered_model_alias(name, cfg.alias, version.version)
     log.info("registered %s version %s%s", name, version.version, f" as @{cfg.alias}" if cfg.alias else "")
-    return {"registered_model": name, "model_version": int(version.version)}
+    return {"registered_model": name, "model_version": int(version.version), "model_uri": model_uri}

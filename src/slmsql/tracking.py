@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import distributed
 from .data import write_json
 from .errors import SlmsqlError
 
@@ -46,26 +47,39 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
     that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
-    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages."""
+    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages.
+
+    Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
+    holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
+    the world size and the launcher."""
+    import types
+
     import mlflow
 
     from .configs import to_params
 
-    configure()
-    run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
-    if not run_id:
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
-    nested = mlflow.active_run() is not None
-    with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage), nested=nested,
-                          log_system_metrics=system_metrics) as run:
-        describe_experiment(run.info.experiment_id)
-        mlflow.set_tags({"slmsql.stage": stage, **{k: v for k, v in (tags or {}).items() if v not in ("", None)}})
-        logged = mlflow.get_run(run.info.run_id).data.params
-        given = {**to_params(cfg), **(params or {})}
-        new = {k: param_value(v)[:6000] for k, v in given.items() if k not in logged and str(v) != ""}
-        if new:  # params are immutable: a resumed run logs only what it has not logged yet
-            mlflow.log_params(new)
-        yield run
+    params = {**to_params(cfg), **(params or {})}
+    if not distributed.is_main():
+        yield types.SimpleNamespace(info=types.SimpleNamespace(run_id=distributed.receive()))
+        return
+    with distributed.sending() as send:
+        configure()
+        run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
+        if not run_id:
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+        nested = mlflow.active_run() is not None
+        with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
+                              nested=nested, log_system_metrics=system_metrics) as run:
+            describe_experiment(run.info.experiment_id)
+            tags = {k: v for k, v in (tags or {}).items() if v not in ("", None)}  # an empty option: no tag
+            mlflow.set_tags({"slmsql.stage": stage, "slmsql.world_size": str(distributed.world_size()),
+                             "slmsql.launcher": distributed.launcher(), **tags})
+            logged = mlflow.get_run(run.info.run_id).data.params
+            new = {k: param_value(v)[:6000] for k, v in params.items() if k not in logged and str(v) != ""}
+            if new:  # params are immutable: a resumed run logs only what it has not logged yet
+                mlflow.log_params(new)
+            send(run.info.run_id)
+            yield run
 
 
 # --- inputs by run URI: params hold `runs:/<id>/<path>`, stages read a local copy --------------------------
@@ -294,7 +308,8 @@ TRL_NAMES = ("loss", "grad_norm", "learning_rate", "epoch", "entropy", "num_toke
              "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
 TRL_PREFIXES = ("completions", "rewards", "clip_ratio", "sampling", "tools", "profiling", "vespo")
 SUMMARY_OF = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
-              "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time")
+              "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time",
+              "dynamic_sampling/groups_dropped", "dynamic_sampling/extra_rounds")
 PLACEHOLDERS = {
     "<difficulty>": "simple|moderate|challenging",
     "<status>": "|".join(OUTCOME_STATUSES),
@@ -306,6 +321,7 @@ PLACEHOLDERS = {
     "<system metric>": r"[\w./-]+",
     "<step>": r"[\w-]+",
     "<step metric>": r"[\w./-]+",
+    "<ds metric>": "groups_sampled|groups_kept|groups_dropped|groups_filled|extra_rounds",
 }
 VOCABULARY = [
     ("ex", ("evaluate",), "execution accuracy: share of questions whose predicted SQL returns the gold result"),
@@ -345,6 +361,11 @@ VOCABULARY = [
     ("frac_reward_zero_std", ("grpo",), "share of groups whose completions all got one reward: no gradient (TRL)"),
     ("exec/frac_groups_correctness_varies", ("grpo",),
      "share of groups holding both right and wrong SQL: the signal about correctness"),
+    ("dynamic_sampling/<ds metric>", ("grpo",),
+     "`--dynamic-sampling`, per step: groups sampled, kept (correctness varies), dropped, filled back in, and "
+     "the extra generation rounds it took"),
+    ("advantage_gate/frac_groups_zeroed", ("grpo",),
+     "`--advantage-gate correctness`: share of groups whose advantages were zeroed (no correctness variance)"),
     ("summary/<metric>", ("grpo",), "mean over the run's logged steps of `<metric>` (e.g. `summary/reward_std`, "
                                     "`summary/exec/frac_groups_correctness_varies`)"),
     ("<trl metric>", ("sft", "grpo"),
@@ -369,6 +390,9 @@ VOCABULARY = [
     ("n_rows", ("validate",), "rows validated"),
     ("gx_seconds", ("validate",), "Great Expectations validation time"),
     ("hub_new_commit", ("publish",), "1 when the push made a new Hub commit (0: the same files were there)"),
+    ("variants", ("sweep",), "GRPO variants in the grid"),
+    ("cells", ("sweep",), "variant x seed cells run or reused"),
+    ("cells_reused", ("sweep",), "cells whose runs were reused (same parameters and code version)"),
     ("<step>/<step metric>", ("pipeline",),
      "a step's metric, under the step's run name: `filter/band`, `grpo/summary/reward_std`, `eval-sft-dev/ex`, "
      "`eval-grpo-dev/ex`, `eval-grpo-dev/vs_baseline/diff`, `eval-grpo-dev/vs_baseline/p`, ..."),
@@ -590,6 +614,15 @@ def pipeline_note(headline: dict, verdicts: dict) -> str:
             + (f"; GRPO: correctness varied in {varies:.0%} of groups" if varies is not None else "")
             + (f", {zero:.0%} had zero reward variance" if zero is not None else "") + ".")
     return "SFT → GRPO on the toy world. " + " ".join(lines) + "\n" + tail
+
+
+def sweep_note(rep: dict) -> str:
+    """The sweep's table in words: each variant on each eval set, pooled over its seeds, Holm-adjusted."""
+    rows = "; ".join(f"{r['variant']} on {r['eval_set']}: {_pct(r['ex_b'])} → {_pct(r['ex_mean'])} (mean over "
+                     f"seeds), {_pts(r['diff'])} points (interval {_pts(r['diff_ci_low'])} to "
+                     f"{_pts(r['diff_ci_high'])}), p (Holm) = {_p(r['p_holm'])}: {r['verdict']}" for r in rep["rows"])
+    return (f"Sweep: {len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) vs the starting policy, "
+            f"pooled per variant, Holm over {rep['comparisons']} comparisons.\n{rows}.")
 
 
 def log_headline(headline: dict, verdicts: dict) -> None:

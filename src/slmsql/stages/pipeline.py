@@ -1,102 +1,39 @@
 """The whole lifecycle in one command, as MLflow's multistep-workflow pattern:
 
-toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev and dev_cross) -> publish --dry-run
+toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev and dev_cross) -> publish
+(--dry-run unless --push: then the SFT model goes to --base-repo, the adapter to --repo-id, and the text2sql
+model is registered)
 
-Each step is its own `mlflow.run` (local env manager) under one parent run. Steps hand each other their
-outputs by run URI (artifacts downloaded from the tracking store, so a remote server works the same), and a
-finished step whose parameters and code version match is reused instead of re-run.
+Each step is its own `mlflow.run` (local env manager) under one parent run, reused when a finished run with
+the same parameters and code version exists (`slmsql.workflow`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from pathlib import Path
 
 from ..configs import PipelineConfig
-from ..tracking import param_value
-
-log = logging.getLogger(__name__)
-PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
-ROOT = PACKAGE.parents[1]  # the MLproject folder
-
-
-def code_version() -> str:
-    """Hash of everything that shapes a step's result: the whole package, the data-check suites and the card
-    template. A reused step must have been produced by this code."""
-    h = hashlib.sha256()
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
-    for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
-        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-class Steps:
-    def __init__(self, cfg: PipelineConfig, experiment_id: str):
-        import mlflow
-
-        self.cfg, self.experiment_id, self.version = cfg, experiment_id, code_version()
-        self.client = mlflow.MlflowClient()
-        self.out = Path(cfg.output_dir).resolve()
-
-    def params(self, stage: str, name: str, given: dict) -> dict:
-        extra = {k.split(".", 1)[1]: v for k, v in self.cfg.overrides.items() if k.split(".", 1)[0] == stage}
-        return {"output_dir": str(self.out / name), "experiment": self.cfg.experiment, "run_name": name,
-                "seed": self.cfg.seed, **given, **extra}
-
-    def _reusable(self, stage: str, params: dict):
-        runs = self.client.search_runs(
-            [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
-            f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
-        for run in runs:
-            # as stage_run logged them: empty options absent, fetched artifacts as run URIs
-            if all(run.data.params.get(k, "") == param_value(v) for k, v in params.items() if k != "overwrite"):
-                return run
-        return None
-
-    def run(self, stage: str, name: str, **given):
-        """Run (or reuse) one step; returns its finished MLflow run."""
-        import mlflow
-
-        params = self.params(stage, name, given)
-        if self.cfg.reuse and (found := self._reusable(stage, params)):
-            log.info("step %-14s reused run %s", name, found.info.run_id)
-            return found
-        log.info("step %-14s running ...", name)
-        sub = mlflow.run(str(ROOT), entry_point=stage.replace("-", "_"), env_manager="local",
-                         experiment_id=self.experiment_id, run_name=name,
-                         parameters={**params, "overwrite": "true"}, synchronous=True)
-        self.client.set_tag(sub.run_id, "slmsql.code_version", self.version)
-        return self.client.get_run(sub.run_id)
-
-    def artifact(self, run, path: str) -> str:
-        """A step's output as its run URI: the next step's params say where its input came from, and each
-        step fetches a local copy (`tracking.fetch_inputs`, under <output_dir>/from-runs/<id>/)."""
-        return f"runs:/{run.info.run_id}/{path}"
+from ..workflow import Steps, use_this_cli
 
 
 def main(cfg: PipelineConfig) -> dict:
-    import os
-    import sys
-
-    import mlflow
-
     from .. import tracking
 
-    # `mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    use_this_cli()
 
     with tracking.stage_run("pipeline", cfg) as parent:
-        s = Steps(cfg, parent.info.experiment_id)
+        s = Steps(parent.info.experiment_id, output_dir=cfg.output_dir, experiment=cfg.experiment, seed=cfg.seed,
+                  reuse=cfg.reuse, overrides=cfg.overrides)
+        # each step's inputs are run URIs (runs:/<id>/<path>): its params say which run they came from
         toy = s.run("toy", "toy", size=cfg.size)
-        world = s.artifact(toy, "toy")
+        world = s.uri(toy, "toy")
         dbs = f"{world}/databases"
         tiny = s.run("tiny-model", "tiny-model", data=world)
-        sft = s.run("sft", "sft", model=s.artifact(tiny, "model"), data=f"{world}/sft.jsonl", db_root=dbs)
-        policy = s.artifact(sft, "policy")
+        sft = s.run("sft", "sft", model=s.uri(tiny, "model"), data=f"{world}/sft.jsonl", db_root=dbs)
+        policy = s.uri(sft, "policy")
         filt = s.run("filter", "filter", model=policy, data=f"{world}/rl_source.jsonl", db_root=dbs)
-        grpo = s.run("grpo", "grpo", model=policy, data=s.artifact(filt, "band.jsonl"), db_root=dbs)
-        adapter = s.artifact(grpo, "adapter")
+        grpo = s.run("grpo", "grpo", model=policy, data=s.uri(filt, "band.jsonl"), db_root=dbs)
+        adapter = s.uri(grpo, "adapter")
         evals = {}
         for split in SPLITS:
             data = f"{world}/{split}.jsonl"
@@ -105,9 +42,10 @@ def main(cfg: PipelineConfig) -> dict:
             evals[split] = s.run("evaluate", f"eval-grpo-{split}", model=policy, adapter=adapter, data=data,
                                  db_root=dbs, dataset_name=f"toy-{split}", baseline_run=base.info.run_id)
             evals[f"sft-{split}"] = base
+        push = {"dry_run": "false", "endpoint": cfg.hub_endpoint} if cfg.push else {"dry_run": "true"}
         s.run("publish", "publish", grpo_run=grpo.info.run_id, filter_run=filt.info.run_id,
-                     eval_runs=",".join(evals[x].info.run_id for x in SPLITS),
-                     repo_id=cfg.repo_id, dry_run="true")
+              eval_runs=",".join(evals[x].info.run_id for x in SPLITS),
+              repo_id=cfg.repo_id, base_repo=cfg.base_repo, **push)
         headline = headline_numbers(filt, grpo, evals)
         verdicts = {split: evals[split].data.tags.get("slmsql.verdict") for split in SPLITS}
         tracking.log_headline(headline, verdicts)

@@ -1,17 +1,27 @@
 """Publish: a Hugging Face model card generated from the MLflow runs, pushed with the LoRA adapter in one commit.
 
-args (repo id, registry name, token) -> runs (exist, finished, right stage, one base model) -> card -> card check
--> OUT/ (exactly what is pushed: the adapter files + README.md) -> Hub: create_repo + one upload_folder commit
--> Hub URL and commit back on the GRPO run -> an MLflow Model Registry version with an alias.
+args (repo ids, registry name, token) -> runs (exist, finished, right stage, one base model, one set of prompt
+and generation settings) -> cards -> card checks -> OUT/ (exactly what is pushed: the adapter files + README.md;
+with --base-repo also OUT/base/, the local base model + its own card) -> Hub: the base's commit to --base-repo
+first (the adapter card names it as base_model), then one upload_folder commit of the adapter -> Hub URLs and
+commits back on the GRPO run -> the `text2sql` MLflow model (slmsql.text2sql: adapter, base, prompt and
+generation settings) logged to the GRPO run -> a Model Registry version of that model, with an alias.
 
 Nothing is written, logged or sent before every check passes. The token lives in a local variable and the HfApi
 client only: the config has no field for it, so it cannot reach params, tags, logs, artifacts or the card.
 Re-publishing the same runs renders the same bytes; upload_folder then skips every unchanged file and makes no
-commit (it returns the current head), and the registry reuses the version already made from the GRPO run.
+commit (it returns the current head), the GRPO run's text2sql model of those commits is reused, and so is its
+registry version.
+
+A local base (a full fine-tune) is published only with --base-repo: its folder is pushed as it is (hard-linked
+into OUT/base/, not copied) with a card saying what it is and where it came from (the SFT run that wrote it,
+found from the folder: the pipeline's from-runs/<run id>/, else an SFT run whose --output-dir it is, else
+--base-run), and the adapter's adapter_config.json and card name that repo as their base.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -21,6 +31,7 @@ from pathlib import Path
 from .. import card as cards
 from .. import tracking
 from ..configs import PublishConfig
+from ..data import write_json
 from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
 from ..outputs import Staged
@@ -42,19 +53,36 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     import mlflow
 
     from ..models import check_adapter_base
+    from ..text2sql import settings_from_runs
 
     client = mlflow.MlflowClient()
-    if not cfg.eval_runs:
+    sweep_run, sweep, eval_runs = None, None, cfg.eval_runs
+    if cfg.sweep_run:
+        sweep_run = tracking.stage_run_of(client, cfg.sweep_run, "sweep", "sweep")
+        sweep = json.loads(tracking.download(cfg.sweep_run, "report/sweep.json", tmp / "sweep").read_text())
+        cell = next((c for c in sweep["cells"] if c["grpo_run"] == cfg.grpo_run), None)
+        if cell is None:
+            raise SlmsqlError(f"GRPO run {cfg.grpo_run} is not a cell of sweep run {cfg.sweep_run}")
+        eval_runs = eval_runs or list(cell["eval_runs"].values())
+    if not eval_runs:
         raise SlmsqlError("give --eval-runs: the card's results (model-index) come from evaluation runs")
     grpo = tracking.stage_run_of(client, cfg.grpo_run, "grpo", "GRPO")
     model = grpo.data.tags.get("slmsql.model", "")
-    if hub_id(model) is None:
-        if not cfg.dry_run:
-            raise SlmsqlError(f"the GRPO run's base model {model!r} is a local checkpoint, not a Hub model id: an "
-                              "adapter on it cannot be published (train on a Hub id; --dry-run writes the folder)")
+    base = None
+    if hub_id(model) is not None:
+        if cfg.base_repo:
+            raise SlmsqlError(f"--base-repo {cfg.base_repo}: the GRPO run's base model {model!r} is on the Hub "
+                              "already; --base-repo is for a local base (a full fine-tune)")
+    elif cfg.base_repo:
+        base = local_base(client, cfg, grpo, model)
+    elif not cfg.dry_run:
+        raise SlmsqlError(f"the GRPO run's base model {model!r} is a local checkpoint, not a Hub model id: give "
+                          "--base-repo OWNER/NAME to push it too (the adapter's card then names that repo as its "
+                          "base), or train on a Hub id; --dry-run writes the folder")
+    else:
         log.warning("base model %r is a local checkpoint: this card could be written, not pushed", model)
     evals, baselines = [], {}
-    for run_id in cfg.eval_runs:
+    for run_id in eval_runs:
         run = tracking.stage_run_of(client, run_id, "evaluate", "evaluation")
         _same_base(run, model, "evaluation")
         metrics = json.loads(tracking.download(run_id, "metrics.json", tmp / run_id).read_text())
@@ -66,10 +94,13 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     datasets = [run.data.tags.get("slmsql.dataset") for run, _ in evals]
     if len(set(datasets)) != len(datasets):
         raise SlmsqlError(f"two evaluation runs on one dataset ({datasets}): give one per dataset")
+    # what the text2sql model generates with: refused now, before anything is pushed, if it is ambiguous
+    settings = None if cfg.dry_run else settings_from_runs(grpo, [run for run, _ in evals])
     adapter = tracking.download(grpo.info.run_id, "adapter", tmp / "grpo")
     check_adapter_base(adapter, model)  # the artifact is an adapter for the model the run names
     runs = cards.Runs(grpo=grpo, adapter_config=json.loads((adapter / "adapter_config.json").read_text()),
-                      evals=evals, baselines=baselines,
+                      evals=evals, baselines=baselines, sweep_run=sweep_run, sweep=sweep, base=base,
+                      settings=settings,
                       history={k: [m.value for m in client.get_metric_history(grpo.info.run_id, k)]
                                for _, k, _, _ in cards.TELEMETRY})
     if cfg.filter_run:
@@ -83,6 +114,47 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     return runs, adapter
 
 
+def local_base(client, cfg: PublishConfig, grpo, model: str) -> cards.Base:
+    """The local base to push: a full model folder, and the runs that made it (for its card)."""
+    path = Path(model).expanduser()
+    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if not (path / "config.json").is_file() or not weights:
+        raise SlmsqlError(f"--base-repo: the GRPO run's base {model!r} is not a model folder here (config.json and "
+                          "weights): publish where it was trained, or copy it to that path")
+    if (path / "adapter_config.json").is_file():
+        raise SlmsqlError(f"--base-repo: {model!r} is a PEFT adapter, not a full model")
+    if cfg.base_run:
+        sft = tracking.stage_run_of(client, cfg.base_run, "sft", "base (--base-run)")
+    else:
+        sft = producer(client, model, "sft", grpo.info.experiment_id)
+        if sft is None:
+            log.warning("no MLflow SFT run is known to have written %s: its card will say so (give --base-run)",
+                        model)
+    parent = producer(client, sft.data.params.get("model", ""), "tiny-model", sft.info.experiment_id) if sft else None
+    return cards.Base(path=str(path), sft=sft, parent=parent)
+
+
+def producer(client, path: str, stage: str, experiment_id: str):
+    """The finished `stage` run that wrote the local folder `path`, or None: the pipeline hands a step's
+    outputs on as runs:/<run id>/<path>, fetched to from-runs/<run id>/; a stage run records its --output-dir."""
+    from mlflow.exceptions import MlflowException
+
+    path = tracking.param_value(path)  # a fetched copy, as its run URI
+    parts = ("from-runs", m[1]) if (m := tracking.RUN_URI.fullmatch(path)) else Path(path).parts
+    if "from-runs" in parts[:-1]:
+        try:
+            run = client.get_run(parts[parts.index("from-runs") + 1])
+        except MlflowException:
+            run = None
+        if run is not None and run.data.tags.get("slmsql.stage") == stage and run.info.status == "FINISHED":
+            return run
+    if not path or "'" in path:
+        return None
+    found = client.search_runs([experiment_id], f"tags.`slmsql.stage` = '{stage}' and params.output_dir = '{path}' "
+                               "and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
+    return found[0] if found else None
+
+
 def _rl_rows(grpo) -> int | None:
     """Rows of the RL data the GRPO run logged as its training input (None when it logged none)."""
     for item in grpo.inputs.dataset_inputs if grpo.inputs else []:
@@ -91,7 +163,7 @@ def _rl_rows(grpo) -> int | None:
     return None
 
 
-def check_card(text: str, data) -> None:
+def check_card(text: str, data, required=REQUIRED, library: str = "peft") -> None:
     """What the Hub reads: the front matter parses, holds the required fields, and round-trips exactly."""
     from huggingface_hub import ModelCard
 
@@ -99,45 +171,101 @@ def check_card(text: str, data) -> None:
         parsed = ModelCard(text).data.to_dict()
     except Exception as e:  # yaml errors, or ModelCardData refusing the metadata
         raise SlmsqlError(f"rendered card: the front matter does not parse ({e})") from None
-    missing = [k for k in REQUIRED if not parsed.get(k)] + ([] if parsed.get("library_name") == "peft"
-                                                            else ["library_name: peft"])
-    if missing or not parsed["model-index"][0].get("results"):
+    missing = [k for k in required if not parsed.get(k)] + ([] if parsed.get("library_name") == library
+                                                           else [f"library_name: {library}"])
+    if missing or ("model-index" in required and not parsed["model-index"][0].get("results")):
         raise SlmsqlError(f"rendered card: missing {missing or ['model-index results']}")
     if parsed != data.to_dict():
         raise SlmsqlError("rendered card: the front matter does not round-trip through huggingface_hub.ModelCard")
+
+
+def write_folder(work: Path, cfg: PublishConfig, runs: cards.Runs, adapter: Path, card: str, base_card: str | None):
+    """OUT/: the adapter files and their card; with a local base, OUT/base/: its files and its own card."""
+    from ..text2sql import link_or_copy
+
+    shutil.copytree(adapter, work, dirs_exist_ok=True)
+    (work / "README.md").write_text(card, encoding="utf-8")  # replaces PEFT's placeholder card
+    if runs.base is not None:
+        config = json.loads((work / "adapter_config.json").read_text())
+        write_json(work / "adapter_config.json", {**config, "base_model_name_or_path": cfg.base_repo})
+        shutil.copytree(runs.base.path, work / "base", copy_function=link_or_copy)
+        (work / "base" / "README.md").unlink(missing_ok=True)  # a link: writing through it would edit the source
+        (work / "base" / "README.md").write_text(base_card, encoding="utf-8")
+
+
+def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str | None) -> dict:
+    """The pushes (base first), the Hub facts on the GRPO run, the text2sql model and its registry version."""
+    import mlflow
+
+    from ..text2sql import log_text2sql, stage_base
+
+    result, tags = {}, {}
+    if runs.base is not None:
+        base = push(cfg, token, out / "base", repo_id=cfg.base_repo,
+                    message=f"Base model of the GRPO adapter {cfg.repo_id} (slmsql publish)",
+                    description=f"The local checkpoint {runs.base.path} the adapter of MLflow run {cfg.grpo_run} "
+                                "was trained on")
+        result.update({f"base_{k}": v for k, v in base.items()})
+        tags.update({"slmsql.base_hub_url": base["hub_url"], "slmsql.base_hub_commit": base["hub_commit"]})
+    hub = push(cfg, token, out, ignore=("base/*",))
+    result.update(hub)
+    tags.update({"slmsql.hub_url": hub["hub_url"], "slmsql.hub_commit": hub["hub_commit"]})
+    for key, value in tags.items():
+        mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
+    mlflow.set_tags(tags)
+    mlflow.log_metric("hub_new_commit", float(hub["new_commit"]))
+    model = runs.grpo.data.tags.get("slmsql.model", "")
+    model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
+                    "greedy": True, "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
+    commits = {"adapter": hub["hub_commit"], "base": result.get("base_hub_commit")}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
+        shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
+        base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
+        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir)
+    result.update(text2sql_model=model_uri)
+    mlflow.set_tag("slmsql.text2sql_model", model_uri)
+    if name:
+        result.update(register(name, cfg, {**hub, "base_commit": result.get("base_hub_commit")}, model_uri))
+    return result
 
 
 def main(cfg: PublishConfig) -> dict:
     import mlflow
 
     check_repo_id(cfg.repo_id)
+    if cfg.base_repo:
+        check_repo_id(cfg.base_repo)
+        if cfg.base_repo.lower() == cfg.repo_id.lower():
+            raise SlmsqlError("--base-repo must differ from --repo-id: the base and the adapter are two repos")
     name = registry_name(cfg)
     token = hub_token(cfg.dry_run)
     tracking.configure()
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before any download if the folder is in the way
     with tempfile.TemporaryDirectory() as tmp:
         runs, adapter = gather(cfg, Path(tmp))
+        # eval runs taken from the sweep's cell are named as if given: in the card's command and the registry
+        cfg = dataclasses.replace(cfg, eval_runs=[run.info.run_id for run, _ in runs.evals])
         ctx = cards.context(runs, cfg)
         data = cards.card_data(ctx, cfg.license)
         text = cards.render(ctx, data)
         check_card(text, data)
+        base_card = None
+        if runs.base is not None:
+            base_ctx = cards.base_context(runs, cfg)
+            base_data = cards.base_card_data(base_ctx, cfg.license)
+            base_card = cards.render(base_ctx, base_data, "base.md.j2")
+            check_card(base_card, base_data, required=("license", "tags"), library="transformers")
         with st:
-            shutil.copytree(adapter, st.work, dirs_exist_ok=True)
-            (st.work / "README.md").write_text(text, encoding="utf-8")  # replaces PEFT's placeholder card
+            write_folder(st.work, cfg, runs, adapter, text, base_card)
     out = Path(cfg.output_dir)
     result = {"output_dir": str(out), "files": sorted(p.name for p in out.iterdir())}
     with tracking.stage_run("publish", cfg, tags={"slmsql.grpo_run": cfg.grpo_run, "slmsql.repo_id": cfg.repo_id}):
         mlflow.log_artifact(str(out / "README.md"), "card")
+        if base_card is not None:
+            mlflow.log_artifact(str(out / "base" / "README.md"), "base_card")
         if not cfg.dry_run:
-            hub = push(cfg, token, out)
-            tags = {"slmsql.hub_url": hub["hub_url"], "slmsql.hub_commit": hub["hub_commit"]}
-            for key, value in tags.items():
-                mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
-            mlflow.set_tags(tags)
-            mlflow.log_metric("hub_new_commit", float(hub["new_commit"]))
-            result.update(hub)
-            if name:
-                result.update(register(name, cfg, hub))
+            result.update(ship(cfg, token, out, runs, name))
         tracking.log_json(result, "publish.json")
         tracking.describe(tracking.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
