@@ -103,7 +103,9 @@ def param_value(value) -> str:
 
 def fetch(uri: str, root) -> str:
     """The local copy of a run artifact `runs:/<id>/<path>` under `artifact_cache(root, id)`, downloaded once
-    (into a temporary folder, then moved into place: an interrupted download is never taken for a copy)."""
+    (into a temporary folder, then moved into place: an interrupted download is never taken for a copy; a lock
+    makes the processes of a multi-process launch, which all fetch, download it once)."""
+    import fcntl
     import shutil
 
     m = RUN_URI.fullmatch(uri.rstrip("/"))
@@ -111,18 +113,19 @@ def fetch(uri: str, root) -> str:
         raise SlmsqlError(f"{uri!r} is not a run artifact URI (runs:/<32-hex run id>/<artifact path>)")
     cache = artifact_cache(Path(root).resolve(), m[1])
     dst = cache / m[2]
-    done = dst.parent / f".{dst.name}.fetched"
     fetched = [p for p in (dst, *dst.parents) if p != cache and cache in p.parents]  # it, or a folder above it
-    if dst.exists() and any((p.parent / f".{p.name}.fetched").exists() for p in fetched):
-        return str(dst)
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        got = download(m[1], m[2], tmp)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.exists():  # an older, unmarked copy: replaced
-            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-        os.replace(got, dst)
-    done.touch()
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if dst.exists() and any((p.parent / f".{p.name}.fetched").exists() for p in fetched):
+            return str(dst)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            got = download(m[1], m[2], tmp)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.exists():  # an older, unmarked copy: replaced
+                shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+            os.replace(got, dst)
+        (dst.parent / f".{dst.name}.fetched").touch()
     return str(dst)
 
 
