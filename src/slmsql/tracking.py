@@ -447,11 +447,11 @@ def comparison_metrics(comparison: dict) -> dict:
     return numeric({new: comparison[old] for old, new in names.items() if old in comparison})
 
 
-# --- descriptions: what the run found, in words and numbers, on its overview page and in the runs table ------
+# --- descriptions: what the run found, in words and numbers, on its overview page --------------------------
 NOTE = "mlflow.note.content"  # MLflow's description tag (runs and experiments)
 EXPERIMENT_NOTE = (
     "slmsql: one run per stage (toy, tiny-model, sft, filter, grpo, evaluate, publish, validate), under a "
-    "`pipeline` parent for `slmsql pipeline`. Each run's description states its result. Compare evaluation "
+    "`pipeline` or `sweep` parent for those commands. Each run's description states its result. Compare evaluation "
     "runs on `ex` and `vs_baseline/*` (this run minus its baseline run; verdict in the tag `slmsql.verdict`); "
     "GRPO runs on `summary/frac_reward_zero_std` and `summary/exec/frac_groups_correctness_varies` (was there "
     "signal?). Metric names: README, \"Metric vocabulary\".")
