@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -241,7 +239,7 @@ def small_sweep(policy, tmp_path_factory):
     write(root / "band.jsonl", [{**r, "pass_rate": 0.5} for r in read(policy.train)[:8]])
     write(root / "dev-slice.jsonl", read(policy.dev)[:12])
     uri = f"sqlite:///{root}/mlflow.db"
-    cwd = os.getcwd()
+    cwd, path = os.getcwd(), os.environ["PATH"]  # the sweep puts this environment's CLI first on PATH
     os.chdir(root)  # the store's artifact root (./mlruns) lands here, not in the repository
     try:
         with tracking_store(uri):
@@ -253,6 +251,7 @@ def small_sweep(policy, tmp_path_factory):
                                         output_format="list")[0]
     finally:
         os.chdir(cwd)
+        os.environ["PATH"] = path
     return {"root": root, "uri": uri, "report": report, "parent": parent}
 
 
@@ -307,17 +306,22 @@ def test_small_sweep_cells_are_tagged_children_with_the_same_metric_names(small_
 
 
 @pytest.mark.slow
-def test_rerun_reuses_every_cell(small_sweep, policy):
-    """Through the CLI, as a user reruns it: every step is found finished, nothing trains again."""
+def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
+    """Through the CLI's options, as a user reruns it: every step is found finished, nothing trains again."""
+    import logging
+
     root, uri = small_sweep["root"], small_sweep["uri"]
     _, before = _runs(uri)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{sys.prefix}/bin:{os.environ['PATH']}"}
-    again = subprocess.run([sys.executable, "-m", "slmsql.cli", *_args(policy, root)], cwd=root, env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert again.stderr.count("reused run") == 9 and "running ..." not in again.stderr
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # restored after the sweep changes it
+    caplog.set_level(logging.INFO, logger="slmsql.workflow")
+    with tracking_store(uri):
+        again = CliRunner().invoke(cli, _args(policy, root))  # in this process: no second start-up to pay
+    assert again.exit_code == 0, again.output
+    steps = [r.getMessage() for r in caplog.records if r.name == "slmsql.workflow"]
+    assert len(steps) == 9 and all("reused run" in m for m in steps)  # 4 grpo + 4 evaluate + the baseline
     client, after = _runs(uri)
     new = [r for r in after if r.info.run_id not in {b.info.run_id for b in before}]
     assert [r.data.tags["slmsql.stage"] for r in new] == ["sweep"]  # only the new parent
     assert new[0].data.metrics["cells_reused"] == new[0].data.metrics["cells"] == 4
-    assert "| runs_tier=0.0 |" in again.stdout  # the table, printed
+    assert "| runs_tier=0.0 |" in again.output  # the table, printed
