@@ -75,3 +75,13 @@ class Staged:
         if self.out.exists():
             shutil.rmtree(self.out)
         os.replace(self.work, self.out)
+
+
+def link_or_copy(src, dst, *, follow_symlinks=True):
+    """shutil.copytree's copy_function for model weights: a hard link where the file system allows (a base model
+    can be gigabytes), else a copy. Replace a linked file (unlink, then write), never write through it."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=follow_symlinks)
+    return dst

@@ -33,7 +33,7 @@ from ..configs import PublishConfig
 from ..data import write_json
 from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
-from ..outputs import Staged
+from ..outputs import Staged, link_or_copy
 from ..registry import register, registry_name
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,6 @@ def check_card(text: str, data, required=REQUIRED, library: str = "peft") -> Non
 
 def write_folder(work: Path, cfg: PublishConfig, runs: cards.Runs, adapter: Path, card: str, base_card: str | None):
     """OUT/: the adapter files and their card; with a local base, OUT/base/: its files and its own card."""
-    from ..text2sql import link_or_copy
-
     shutil.copytree(adapter, work, dirs_exist_ok=True)
     (work / "README.md").write_text(card, encoding="utf-8")  # replaces PEFT's placeholder card
     if runs.base is not None:
