@@ -4,7 +4,7 @@ BIN    := $(VENV)/bin
 TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install demo score-example test test-fast server bench clean
+.PHONY: install demo study score-example test test-fast server bench clean
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -18,6 +18,27 @@ install: $(BIN)/slmsql
 
 demo: install
 	$(BIN)/slmsql pipeline
+
+# The toy study (README "A toy study"): GRPO variants x 3 seeds from the demo's SFT policy and filter band,
+# each compared with the SFT policy on dev and dev_cross. Uses `make demo`'s steps when they exist (outputs/),
+# else runs only the ones it needs. Reruns reuse finished cells. Override the grid: make study STUDY_GRID="..."
+STUDY_GRID ?= defaults; advantage_gate=correctness; dynamic_sampling=true; runs_tier=0 format_tier=0
+STUDY_SEEDS ?= 3
+
+outputs/toy/dev.jsonl: | $(BIN)/slmsql
+	$(BIN)/slmsql toy
+outputs/tiny-model/config.json: | outputs/toy/dev.jsonl
+	$(BIN)/slmsql tiny-model
+outputs/sft/config.json: | outputs/tiny-model/config.json
+	$(BIN)/slmsql sft
+outputs/filter/band.jsonl: | outputs/sft/config.json
+	$(BIN)/slmsql filter --model outputs/sft
+
+study: install | outputs/filter/band.jsonl
+	$(BIN)/slmsql sweep --grid "$(STUDY_GRID)" --seeds $(STUDY_SEEDS) --model outputs/sft \
+	  --data outputs/filter/band.jsonl --db-root outputs/toy/databases \
+	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
+	  --output-dir outputs/study
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 from hubstub import HubStub
 from slmsql import stats
-from slmsql.configs import EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SFTStageConfig, to_params
+from slmsql.configs import (EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SFTStageConfig,
+                            SweepConfig, to_params)
 from slmsql.errors import SlmsqlError
 from slmsql.scoring import ex_summary as summarize
 
@@ -105,9 +106,9 @@ def world(tmp_path_factory):
 
     ids = {}
     grpo_cfg = GRPOStageConfig(model=BASE, base_adapter="adapters/sft", max_steps=40, learning_rate=1e-5,
-                               data="outputs/filter/band.jsonl")
+                               data="outputs/filter/band.jsonl", advantage_gate="correctness", dynamic_sampling=True)
     summary = {"summary/reward": 0.61, "summary/reward_std": 0.44, "summary/frac_reward_zero_std": 0.12,
-               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48,
+               "summary/grad_norm": 0.5, "summary/exec_correct": 0.48, "summary/dynamic_sampling_extra_rounds": 1.5,
                "summary/exec_frac_groups_correctness_varies": 0.81, "summary/completions_mean_length": 80.5,
                "train_seconds": 9720.0, "steps": 40}
     ids["grpo"] = run("grpo", grpo_cfg, {"slmsql.model": BASE, "slmsql.base_adapter": "adapters/sft",
@@ -151,10 +152,61 @@ def world(tmp_path_factory):
                             {"slmsql.model": str(policy), "slmsql.base_adapter": "", "slmsql.adapter_mode": "none"},
                             summary, {"adapter": local_adapter})
     ids["local_eval"] = evaluate("toy-dev", "outputs/grpo/adapter", bird_a, model=str(policy))
+
+    # a sweep whose cell (variant `defaults`, seed 1) is the GRPO run above, evaluated by grpo_bird / grpo_spider
+    sweep_dir = root / "sweep-report"
+    sweep_dir.mkdir()
+    write_json_file(sweep_dir / "sweep.json", sweep_report(ids))
+    ids["sweep"] = run("sweep", SweepConfig(grid="defaults; runs_tier=0 format_tier=0", model=BASE,
+                                            eval_data=["data/bird.jsonl", "data/spider.jsonl"],
+                                            eval_names=["bird", "spider"]), {}, {"cells": 6},
+                       {"report": sweep_dir})
     # the SFT run that wrote that checkpoint (found by its --output-dir): the pushed base's card cites it
     ids["sft"] = run("sft", SFTStageConfig(model=BASE, output_dir=str(policy), data="toy/sft.jsonl", max_steps=300),
                      {"slmsql.model": BASE, "slmsql.policy_kind": "full"}, {"steps": 300, "train_loss": 0.125}, {})
     return {"root": root, "adapter": adapter, "ids": ids, "db": root / "template.db"}
+
+
+def write_json_file(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def seed_results() -> dict:
+    """Per-question correctness of the sweep's cells, by (variant, eval set, seed), and the baselines."""
+    bird_a, bird_b = pairs(50, 4, 5, 90)
+    spider_a, spider_b = pairs(160, 6, 4, 30)
+    runs = {("defaults", "bird", 0): pairs(50, 6, 5, 88)[0], ("defaults", "bird", 1): bird_a,
+            ("defaults", "bird", 2): pairs(50, 3, 5, 91)[0],
+            ("defaults", "spider", 0): pairs(160, 5, 4, 31)[0], ("defaults", "spider", 1): spider_a,
+            ("defaults", "spider", 2): pairs(160, 7, 4, 29)[0]}
+    for seed, k in enumerate((26, 28, 30)):  # binary reward: far better on bird, unchanged on spider
+        runs[("runs_tier=0.0 format_tier=0.0", "bird", seed)] = pairs(50, k, 5, 94 - k)[0]
+        runs[("runs_tier=0.0 format_tier=0.0", "spider", seed)] = pairs(160, 4 + seed, 4, 32 - seed)[0]
+    return {"runs": runs, "baseline": {"bird": bird_b, "spider": spider_b}}
+
+
+def sweep_report(ids: dict) -> dict:
+    """report/sweep.json as `slmsql sweep` writes it, from hand-made per-question results."""
+    from slmsql.configs import Variant
+    from slmsql.stages import sweep
+
+    data = seed_results()
+    variants = [Variant("defaults", {}), Variant("runs_tier=0.0 format_tier=0.0", {"runs_tier": 0.0,
+                                                                                   "format_tier": 0.0})]
+    plan = sweep.Plan(variants, {}, None, [sweep.EvalSet("bird", "", ""), sweep.EvalSet("spider", "", "")],
+                      [0, 1, 2])
+    correct = {f"base-{e}": {f"q{i}": c for i, c in enumerate(b)} for e, b in data["baseline"].items()}
+    cells = []
+    for v in variants:
+        for seed in plan.seeds:
+            evals = {}
+            for e in ("bird", "spider"):
+                evals[e] = (ids[f"grpo_{e}"] if (v.label, seed) == ("defaults", 1) else f"{v.label}-{e}-{seed}")
+                correct[evals[e]] = {f"q{i}": c for i, c in enumerate(data["runs"][(v.label, e, seed)])}
+            cells.append({"variant": v.label, "seed": seed, "eval_runs": evals, "reused": False,
+                          "grpo_run": ids["grpo"] if (v.label, seed) == ("defaults", 1) else f"g-{v.label}-{seed}",
+                          "baseline_runs": {"bird": "base-bird", "spider": "base-spider"}})
+    return sweep.report(plan, cells, correct, alpha=0.05)
 
 
 @pytest.fixture
@@ -238,8 +290,11 @@ def test_card_states_the_runs_numbers(store, tmp_path):
     details = section(card, "Training details")
     assert "r = 8, alpha = 16" in details and "adapters/sft" in details and "1e-05 (cosine schedule)" in details
     assert "2 h 42 min" in details and "40 of 40 planned" in details
+    assert "Advantage gate: correctness (groups whose" in details
+    assert "Dynamic sampling: on (groups without correctness variance replaced, up to 3 extra" in details
     signal = section(card, "Training signal")
     assert "| frac_reward_zero_std | 0.12 | 0.05 – 0.2 |" in signal and "| grad_norm | 0.5 | — |" in signal
+    assert "| extra generation rounds per step | 1.5 | — |" in signal
     limits = section(card, "Intended use and limitations")
     assert re.search(r"With n = 149 on bird, differences under \d+\.\d points cannot be reliably detected", limits)
     repro = section(card, "Reproduce")
@@ -327,15 +382,7 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     for name in out.iterdir():  # the model's adapter is the pushed folder
         assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
 
-    # the token travels only in the Authorization header: not in any path, query or body ...
-    token = hub.token.encode()
-    for r in hub.requests:
-        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
-    # ... and nowhere on disk: tracking store, every artifact folder, the pushed folder; nor in the logs
-    for root in (tmp_path, world["root"]):
-        for path in root.rglob("*"):
-            assert not path.is_file() or token not in path.read_bytes(), path
-    assert hub.token not in caplog.text and caplog.text  # something was logged, and not the token
+    assert_token_nowhere(hub, (tmp_path, world["root"]), caplog.text)
 
 
 # ---- which Hub the push goes to: --endpoint, else HF_ENDPOINT --------------------------------------------
@@ -349,6 +396,18 @@ def dead_url():
         s.bind(("127.0.0.1", 0))
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
+
+
+def assert_token_nowhere(hub, roots, log_text: str) -> None:
+    """The token travels only in the Authorization header: not in any path, query or body; and it is nowhere on
+    disk (tracking store, every artifact folder, the pushed folder) nor in the logs."""
+    token = hub.token.encode()
+    for r in hub.requests:
+        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
+    for root in roots:
+        for path in root.rglob("*"):
+            assert not path.is_file() or token not in path.read_bytes(), path
+    assert hub.token not in log_text and log_text  # something was logged, and not the token
 
 def cli_args(cfg: PublishConfig) -> list[str]:
     return ["publish", "--grpo-run", cfg.grpo_run, "--eval-runs", ",".join(cfg.eval_runs), "--filter-run", cfg.filter_run,
@@ -434,6 +493,8 @@ def test_no_token_fails_before_any_request(store, hub, tmp_path):
     (dict(filter_run="sft_bird"), "expected 'filter'"),
     (dict(eval_runs=""), "--eval-runs"),
     (dict(alias="v3"), "reserved"),
+    (dict(sweep_run="filter"), "has stage 'filter', expected 'sweep'"),
+    (dict(sweep_run="sweep", grpo_run="local_grpo"), "is not a cell of sweep run"),
     (dict(base_repo="stub-user/tiny-sft"), "is on the Hub already; --base-repo is for a local base"),
     (dict(base_repo=REPO), "--base-repo must differ from --repo-id"),
     (dict(base_repo="not a repo"), "repo-id 'not a repo'"),
@@ -604,13 +665,7 @@ def test_local_base_is_pushed_with_its_own_card(store, world, hub, tmp_path, mon
     assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]
     assert again["text2sql_model"] == result["text2sql_model"] and again["model_version"] == result["model_version"]
 
-    token = hub.token.encode()
-    for r in hub.requests:
-        assert token not in (r["path"] + "?" + r["query"]).encode() + r["body"]
-    for root in (tmp_path, world["root"]):
-        for path in root.rglob("*"):
-            assert not path.is_file() or token not in path.read_bytes(), path
-    assert hub.token not in caplog.text and caplog.text
+    assert_token_nowhere(hub, (tmp_path, world["root"]), caplog.text)
 
 
 def test_cli_dry_run(store, tmp_path):
@@ -629,3 +684,55 @@ def test_cli_dry_run(store, tmp_path):
 def test_config_holds_no_token_field():
     names = {f.name for f in dataclasses.fields(PublishConfig)}
     assert not {n for n in names if "token" in n}
+
+
+# ---- seeds: a card from one seed says so; a card with its sweep states the pooled verdict ------------------
+
+def test_single_seed_card_says_what_one_seed_cannot_tell(store, tmp_path):
+    from slmsql.card import SINGLE_SEED
+    from slmsql.stages.publish import main
+
+    main(config(store, tmp_path, dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    tldr = re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    assert tldr.endswith(SINGLE_SEED) and "one training seed" in SINGLE_SEED and SINGLE_SEED.count(". ") == 0
+    assert "## Seeds and variants" not in card
+
+
+def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
+    import numpy as np
+    from scipy import stats as scipy_stats
+
+    from slmsql.card import SINGLE_SEED
+    from slmsql.stages.publish import main
+
+    # no --eval-runs: the cell's own evaluations
+    main(config(store, tmp_path, evals=(), sweep_run=store["sweep"], dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    tldr = re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    assert SINGLE_SEED not in card
+    assert tldr.startswith("Pooled over 3 training seeds, this variant (`defaults`) does not beat its SFT starting "
+                           "point: a null result")
+    data = seed_results()
+    for dataset in ("bird", "spider"):  # the pooled numbers, computed here independently
+        seeds = np.array([data["runs"][("defaults", dataset, s)] for s in (0, 1, 2)], dtype=float)
+        base = np.array(data["baseline"][dataset], dtype=float)
+        ex = seeds.mean(axis=1)
+        p = scipy_stats.ttest_1samp(seeds.mean(axis=0) - base, 0).pvalue
+        assert (f"{dataset}: {base.mean():.1%} → {ex.mean():.1%} mean over seeds (between seeds: sd "
+                f"{100 * ex.std(ddof=1):.1f} points, {100 * ex.min():.1f}%–{100 * ex.max():.1f}%") in tldr
+        assert f"p = {p:.2f}" in tldr
+    assert "Holm-adjusted p = " in tldr and "over 4 comparisons" in tldr
+    assert "This adapter (seed 1) alone: bird: 36.9% → 36.2%" in tldr  # its own single-seed numbers follow
+    table = section(card, "Seeds and variants")
+    assert "seed 1 of the GRPO variant `defaults`, one of 2 variants × 3" in " ".join(table.split())
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 * (1 + 2)  # per eval set: a header and one row per variant
+    better = next(line for line in rows if line.startswith("| runs_tier=0.0 format_tier=0.0 |") and "improved" in line)
+    bird_binary = np.array([data["runs"][("runs_tier=0.0 format_tier=0.0", "bird", s)] for s in (0, 1, 2)]).mean(1)
+    assert f"| {100 * bird_binary.mean():.1f}% | {100 * bird_binary.std(ddof=1):.1f} |" in better
+    assert sum("**defaults** (this adapter's)" in line for line in rows) == 2
+    assert store["sweep"] in section(card, "Provenance") and "slmsql sweep" in section(card, "Reproduce")
+    assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
+    # the same results as a card given the eval runs explicitly
+    assert front_matter(card)["model-index"][0]["results"][0]["metrics"][0]["value"] == 36.2

@@ -18,7 +18,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import mlflow
 import psutil

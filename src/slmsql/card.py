@@ -2,8 +2,9 @@
 A local base pushed beside the adapter (publish --base-repo) gets its own card: `model_card/base.md.j2`.
 
 Every number on the card is read from a run (params, metrics, metrics.json, the filter's summary.json, the
-adapter's adapter_config.json); the wording of the conclusion is chosen from the verdicts the evaluate stage
-computed (McNemar at the run's alpha), never written in advance. The card depends only on the runs and the
+adapter's adapter_config.json, a sweep's report/sweep.json); the wording of the conclusion is chosen from the
+verdicts the runs computed (McNemar at the run's alpha; with a sweep of several seeds, the pooled test over the
+adapter's variant, Holm-adjusted), never written in advance. A card without one says it is a single seed. The card depends only on the runs and the
 publish options, so publishing the same runs twice renders the same bytes (and the Hub makes no new commit).
 """
 
@@ -33,6 +34,10 @@ TELEMETRY = [  # (summary metric, per-step metric, label, what it means)
     ("summary/reward", "reward", "reward", "mean total reward per completion"),
     ("summary/grad_norm", "grad_norm", "grad_norm", "gradient norm before clipping"),
     ("summary/completions_mean_length", "completions/mean_length", "completion length", "mean tokens per completion"),
+    ("summary/dynamic_sampling_groups_dropped", "dynamic_sampling/groups_dropped", "groups dropped per step",
+     "dynamic sampling: sampled groups without correctness variance, replaced by groups for further prompts"),
+    ("summary/dynamic_sampling_extra_rounds", "dynamic_sampling/extra_rounds", "extra generation rounds per step",
+     "dynamic sampling: what the refills cost, in generation calls beyond the first"),
 ]
 
 
@@ -47,6 +52,8 @@ class Runs:
     filter: object = None
     filter_summary: dict | None = None
     history: dict = field(default_factory=dict)  # per-step metric -> [values], for ranges
+    sweep_run: object = None  # the sweep this GRPO run is a cell of, and its report (report/sweep.json)
+    sweep: dict | None = None
     base: Base | None = None  # a local base pushed with --base-repo
     settings: dict | None = None  # the evaluation runs' prompt and generation settings (text2sql)
 
@@ -87,40 +94,71 @@ def command(stage: str, params: dict) -> str:
     return " \\\n    ".join(lines)
 
 
+SINGLE_SEED = ("These numbers come from one training seed, and one seed cannot tell how much of a difference is the "
+               "method and how much is that seed's luck (`slmsql sweep --seeds N` measures the between-seed spread).")
+
+
+def headline(verdicts: dict[str, str], start: str, subject: str = "This adapter") -> str:
+    """The conclusion from {dataset: verdict}, chosen by the verdicts (never written in advance)."""
+    by = {v: [d for d, x in verdicts.items() if x == v] for v in VERDICTS}
+    up, down, null = by["improved"], by["regressed"], by["no significant difference"]
+    names, low = ", ".join, subject[0].lower() + subject[1:]
+    if up and down:
+        return f"Mixed result: {low} beats {start} on {names(up)} but is worse on {names(down)}."
+    if up:
+        return (f"{subject} beats {start} on every evaluated dataset." if not null else
+                f"{subject} beats {start} on {names(up)}; on {names(null)} the difference is not significant.")
+    if down:
+        return (f"{subject} is worse than {start} on every evaluated dataset." if not null else
+                f"{subject} does not beat {start}: it is worse on {names(down)} and not significantly "
+                f"different on {names(null)}.")
+    return f"{subject} does not beat {start}: a null result (no significant difference on any dataset)."
+
+
+def _facts(compared: list[dict]) -> str:
+    return "; ".join(f"{r['dataset']}: {r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%} "
+                     f"({pts(r['cmp']['diff'])} points, {1 - r['alpha']:.0%} CI [{pts(r['cmp']['diff_ci_low'])}, "
+                     f"{pts(r['cmp']['diff_ci_high'])}], McNemar p = {pval(r['cmp']['mcnemar_p'])})"
+                     for r in compared)
+
+
+def _signal(telemetry: dict) -> str:
+    said = {"summary/frac_reward_zero_std": "{:.0%} of groups had zero reward variance",
+            "summary/exec_frac_groups_correctness_varies": "correctness varied within {:.0%} of groups"}
+    signal = [text.format(telemetry[k]["mean"]) for k, text in said.items() if k in telemetry]
+    return " During training (means over steps), " + " and ".join(signal) + "." if signal else ""
+
+
 def tldr(results: list[dict], start: str, telemetry: dict) -> str:
     """The conclusion, chosen from the verdicts (never written in advance), then the numbers behind it."""
     compared = [r for r in results if r["cmp"]]
     if not compared:
         return (f"No evaluation run compared this adapter with {start}, so this card claims no gain and no loss. "
                 + "; ".join(f"{r['dataset']}: EX {r['ex']:.1%}" for r in results) + ".")
-    by = {v: [r["dataset"] for r in compared if r["cmp"]["verdict"] == v] for v in VERDICTS}
-    up, down, null = by["improved"], by["regressed"], by["no significant difference"]
-    names = ", ".join
-    if up and down:
-        head = f"Mixed result: this adapter beats {start} on {names(up)} but is worse on {names(down)}."
-    elif up:
-        head = (f"This adapter beats {start} on every evaluated dataset." if not null else
-                f"This adapter beats {start} on {names(up)}; on {names(null)} the difference is not significant.")
-    elif down:
-        head = (f"This adapter is worse than {start} on every evaluated dataset." if not null else
-                f"This adapter does not beat {start}: it is worse on {names(down)} and not significantly "
-                f"different on {names(null)}.")
-    else:
-        head = f"This adapter does not beat {start}: a null result (no significant difference on any dataset)."
-    facts = "; ".join(f"{r['dataset']}: {r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%} "
-                      f"({pts(r['cmp']['diff'])} points, {1 - r['alpha']:.0%} CI [{pts(r['cmp']['diff_ci_low'])}, "
-                      f"{pts(r['cmp']['diff_ci_high'])}], McNemar p = {pval(r['cmp']['mcnemar_p'])})"
-                      for r in compared)
-    text = f"{head} {facts}."
+    text = f"{headline({r['dataset']: r['cmp']['verdict'] for r in compared}, start)} {_facts(compared)}."
+    null = [r for r in compared if r["cmp"]["verdict"] == "no significant difference"]
     if null:
-        mdds = [f"{r['dataset']} (n = {r['n']}): {mdd(r['cmp']['mdd'])}" for r in compared if r["dataset"] in null]
+        mdds = [f"{r['dataset']} (n = {r['n']}): {mdd(r['cmp']['mdd'])}" for r in null]
         text += " Smallest differences these evaluations could reliably detect: " + "; ".join(mdds) + "."
-    said = {"summary/frac_reward_zero_std": "{:.0%} of groups had zero reward variance",
-            "summary/exec_frac_groups_correctness_varies": "correctness varied within {:.0%} of groups"}
-    signal = [text.format(telemetry[k]["mean"]) for k, text in said.items() if k in telemetry]
-    if signal:
-        text += " During training (means over steps), " + " and ".join(signal) + "."
-    return text
+    return text + _signal(telemetry)
+
+
+def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -> str:
+    """The conclusion from the sweep's pooled test over this adapter's variant (all its seeds), then this
+    adapter's own single-seed numbers."""
+    mine = sweep["spread"]
+    head = headline({r["eval_set"]: r["verdict"] for r in mine}, start, f"This variant (`{sweep['variant']}`)")
+    level = f"{1 - sweep['alpha']:.0%}"
+    facts = "; ".join(
+        f"{r['eval_set']}: {r['ex_b']:.1%} → {r['ex_mean']:.1%} mean over seeds (between seeds: sd "
+        f"{points(r['ex_sd'])} points, {pct(r['ex_min'])}–{pct(r['ex_max'])}; difference {pts(r['diff'])} points, "
+        f"{level} CI [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}], p = {pval(r['p'])}, Holm-adjusted "
+        f"p = {pval(r['p_holm'])} over {sweep['comparisons']} comparisons)" for r in mine)
+    text = f"Pooled over {len(sweep['seeds'])} training seeds, {head[0].lower()}{head[1:]} {facts}."
+    compared = [r for r in results if r["cmp"]]
+    if compared:
+        text += f" This adapter (seed {sweep['seed']}) alone: {_facts(compared)}."
+    return text + _signal(telemetry)
 
 
 # --- formatting, also used as Jinja filters ------------------------------------------------------------------
@@ -134,6 +172,11 @@ def pts(x) -> str:
 
 def pval(p) -> str:
     return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
+
+
+def points(x) -> str:
+    """A spread in points, unsigned."""
+    return "n/a" if x is None else f"{100 * x:.1f}"
 
 
 def mdd(x) -> str:
@@ -226,6 +269,23 @@ def diff_ci_method(results: list[dict]) -> str:
     return "; ".join(methods) or DIFF_CI_METHOD
 
 
+def _sweep(runs: Runs) -> dict | None:
+    """The sweep's table for the card: every variant per eval set, this adapter's variant marked."""
+    if runs.sweep is None:
+        return None
+    rep, grpo_id = runs.sweep, runs.grpo.info.run_id
+    cell = next((c for c in rep["cells"] if c["grpo_run"] == grpo_id), None)
+    if cell is None:
+        raise SlmsqlError(f"GRPO run {grpo_id} is not a cell of sweep run {runs.sweep_run.info.run_id}")
+    sets = [{**es, "rows": [{**r, "mine": r["variant"] == cell["variant"]} for r in rep["rows"]
+                             if r["eval_set"] == es["name"]]} for es in rep["eval_sets"]]
+    return {"run": runs.sweep_run.info.run_id, "variant": cell["variant"], "seed": cell["seed"],
+            "seeds": rep["seeds"], "n_variants": len(rep["variants"]), "comparisons": rep["comparisons"],
+            "method": rep["method"], "adjustment": rep["adjustment"], "alpha": rep["alpha"],
+            "level": f"{1 - rep['alpha']:.0%}", "sets": sets,
+            "spread": [r for r in rep["rows"] if r["variant"] == cell["variant"]]}
+
+
 def context(runs: Runs, cfg) -> dict:
     grpo = runs.grpo
     p, tags, metrics = grpo.data.params, grpo.data.tags, grpo.data.metrics
@@ -237,6 +297,9 @@ def context(runs: Runs, cfg) -> dict:
     if runs.filter is not None:
         cmds.append(("pass-rate filter: sample the start policy K times per question, keep the band",
                      command("filter", runs.filter.data.params)))
+    if runs.sweep_run is not None:
+        cmds.append(("the sweep this adapter is a cell of (it trains and evaluates every variant x seed)",
+                     command("sweep", runs.sweep_run.data.params)))
     cmds.append(("GRPO on the band" if runs.filter is not None else "GRPO", command("grpo", p)))
     for r in results:
         if r["cmp"] and r["cmp"]["baseline_run"] in runs.baselines:
@@ -247,15 +310,20 @@ def context(runs: Runs, cfg) -> dict:
         cmds.append((f"evaluate the GRPO adapter on {r['dataset']}{note}", command("evaluate", run.data.params)))
     # only what shapes the pushed files: the output folder or a registry alias must not change the card
     shaping = {k: v for k, v in configs.to_params(cfg).items()
-               if k in ("grpo_run", "eval_runs", "filter_run", "repo_id", "base_repo", "private", "license")}
+               if k in ("grpo_run", "eval_runs", "filter_run", "sweep_run", "repo_id", "base_repo", "private", "license")}
     cmds.append(("this card (run ids: those of the runs above)", command("publish", shaping)))
+    sweep = _sweep(runs)
+    if sweep and len(sweep["seeds"]) > 1:
+        summary = pooled_tldr(sweep, results, start, telemetry)
+    else:  # one seed, with or without a sweep
+        summary = f"{tldr(results, start, telemetry)} {SINGLE_SEED}"
     return {
         "model_name": cfg.repo_id.split("/")[1], "repo_id": cfg.repo_id,
         "base_model": cfg.base_repo if runs.base else hub_id(model) or model,
         "base_on_hub": runs.base is not None or hub_id(model) is not None,
         "base_pushed": runs.base is not None, "model_tag": model,
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
-        "start": start, "tldr": tldr(results, start, telemetry), "results": results,
+        "start": start, "tldr": summary, "results": results, "sweep": sweep,
         "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",
         "diff_ci_method": diff_ci_method(results),
         "buckets": _buckets(runs.filter_summary), "filter_params": runs.filter.data.params if runs.filter else {},
@@ -308,7 +376,7 @@ def render(ctx: dict, data, template: str = "README.md.j2") -> str:
         raise SlmsqlError(f"model card template not found: {TEMPLATE_DIR / template}")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    env.filters.update(pct=pct, pts=pts, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
+    env.filters.update(pct=pct, pts=pts, points=points, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
     try:
         return env.get_template(template).render(front_matter=data.to_yaml(), **ctx)
     except jinja2.UndefinedError as e:  # a run that lacks a param or metric the card states

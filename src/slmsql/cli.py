@@ -12,7 +12,7 @@ import typing
 
 import click
 
-from . import configs
+from . import configs, distributed
 from .errors import SlmsqlError
 
 def stage_module(stage: str) -> str:
@@ -54,6 +54,10 @@ def _command(stage: str, cls):
                 values[name] = " ".join(values[name]) or None
         # `mlflow run` (which sets MLFLOW_RUN_ID) passes every parameter, defaults included
         cfg = configs.load(cls, recipe, values, defaults_yield=bool(os.environ.get("MLFLOW_RUN_ID")))
+        if distributed.world_size() > 1:  # started by torchrun / accelerate launch with several processes
+            if not cls.multiprocess:
+                distributed.refuse(stage)
+            distributed.terminate_as_exit()
         # stages are imported only when run, so `--help` stays fast
         result = importlib.import_module(stage_module(stage)).main(cfg)
         ctx.obj = result

@@ -36,6 +36,9 @@ def opt(default, help: str, **meta):
 @dataclass
 class Common:
     key_metrics: ClassVar = ()  # what `slmsql runs` shows for this stage
+    # Whether the stage runs as several processes under torchrun / `accelerate launch` (one MLflow run, one
+    # output: see distributed.py); the others refuse such a launch.
+    multiprocess: ClassVar = False
     output_dir: str = opt("outputs/run", "Folder for this stage's outputs (refused if not empty unless --overwrite).")
     overwrite: bool = opt(False, "Allow writing into a non-empty output folder.")
     experiment: str = opt("slmsql", "MLflow experiment name.")
@@ -54,7 +57,8 @@ class Common:
 @dataclass
 class Workers:
     timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
-    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core).")
+    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core; launched as several processes, "
+                          "each one's share).")
     match: str = opt("bird", "Answer matching: bird (set semantics) or spider (test-suite multiset semantics).",
                      choices=("bird", "spider"))
 
@@ -124,7 +128,7 @@ class Lora:
     lora_alpha: int = opt(64, "LoRA alpha (scale).")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
     target_modules: list[str] = opt(["all-linear"], "LoRA target modules (comma-separated, or all-linear).")
-    trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_ratio=0.1 bf16=true'.")
+    trainer_args: dict = opt({}, "Extra TRL config fields, e.g. 'warmup_steps=0.1 bf16=true'.")
 
 
 @dataclass
@@ -132,6 +136,7 @@ class SFTStageConfig(Lora, Prompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
+    multiprocess: ClassVar = True
 
     data: str = opt("outputs/toy/sft.jsonl", "Training data in gold format.")
     db_root: str = opt("outputs/toy/databases", "Database folder (schemas for the prompts).")
@@ -167,6 +172,7 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
                              "summary/exec_frac_groups_correctness_varies", "steps")
+    multiprocess: ClassVar = True
 
     data: str = opt("outputs/filter/band.jsonl", "RL data (a filter band file or any gold file).")
     db_root: str = opt("outputs/toy/databases", "Database folder.")
@@ -179,6 +185,13 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
     format_tier: float = opt(0.2, "Format reward for a ```sql block.")
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
+    advantage_gate: str = opt("none", "correctness: a group whose completions are all correct or all wrong gets "
+                              "advantage 0, whatever its shaped rewards (none: TRL's advantages).",
+                              choices=("none", "correctness"))
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling: replace groups without correctness variance by "
+                                 "groups for further prompts, in up to max_resample_rounds extra generation rounds.")
+    max_resample_rounds: int = opt(3, "Extra generation rounds per step for --dynamic-sampling; still short, the "
+                                   "batch is topped up with dropped groups.")
     per_device_train_batch_size: int = opt(16, "Completions per device batch (a multiple of num_generations).")
     gradient_accumulation_steps: int = opt(1, "Gradient accumulation steps.")
     learning_rate: float = opt(1e-3, "Peak learning rate (the seed's 1e-6 moves a tiny LoRA policy nowhere).")
@@ -202,6 +215,8 @@ class PublishConfig(Common):
     grpo_run: str = opt("", "MLflow run id of the GRPO run.", required=True)
     eval_runs: list[str] = opt([], "Comma-separated MLflow run ids of evaluation runs.")
     filter_run: str = opt("", "MLflow run id of the filter run.")
+    sweep_run: str = opt("", "MLflow run id of the sweep whose cell --grpo-run is: the card then carries the "
+                         "variants x seeds table and states the pooled verdict (--eval-runs default: the cell's).")
     repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
     base_repo: str = opt("", "Hub repo OWNER/NAME to push a local base model (a full fine-tune) to, with its own "
                          "card; the adapter's card and adapter_config.json then name it as the base.")
@@ -248,17 +263,71 @@ class PipelineConfig(Common):
     output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 
 
+@dataclass
+class SweepConfig(Common):
+    """GRPO variants x training seeds from one starting policy and one RL set: every cell trains and evaluates
+    as child runs of one parent, which compares each variant (pooled over seeds) with the starting policy."""
+
+    key_metrics: ClassVar = ("variants", "cells", "cells_reused")
+
+    grid: str = opt("", "GRPO variants: space-separated axes FIELD=v1,v2 (every combination); ';' separates "
+                    "groups, whose variants add up; 'defaults' is the GRPO config unchanged; a list field's "
+                    "items are joined by '+'; 'trainer_args.KEY=v1,v2' varies one TRL field. "
+                    "Empty: the GRPO config alone.")
+    seeds: int = opt(3, "Training seeds per variant: --seed, --seed + 1, ...")
+    model: str = opt("outputs/sft", "Starting policy: a Hub id or a local path.")
+    base_adapter: str = opt("", "Starting adapter on --model; every cell trains it further.")
+    data: str = opt("outputs/filter/band.jsonl", "RL data, the same for every cell.")
+    db_root: str = opt("outputs/toy/databases", "Database folder of the RL data (and of the eval sets, unless "
+                       "--eval-db-roots).")
+    eval_data: list[str] = opt(["outputs/toy/dev.jsonl", "outputs/toy/dev_cross.jsonl"],
+                               "Comma-separated eval gold files.")
+    eval_names: list[str] = opt([], "Comma-separated dataset names, one per eval file (default: the files' stems).")
+    eval_db_roots: list[str] = opt([], "Comma-separated database folders, one per eval file (default: --db-root).")
+    baseline_runs: list[str] = opt([], "Comma-separated evaluate run ids of the starting policy, one per eval set "
+                                   "(default: evaluate it here, once per eval set).")
+    alpha: float = opt(0.05, "Significance level (family-wise, Holm over every variant x eval set).")
+    grpo_recipe: str = opt("", "YAML recipe for every GRPO cell (the grid's values override it).")
+    evaluate_recipe: str = opt("", "YAML recipe for every evaluation.")
+    overrides: dict = opt({}, "Options for every cell, e.g. 'grpo.max_steps=20 evaluate.batch_size=32'.")
+    reuse: bool = opt(True, "Reuse finished cells whose parameters and code version match.")
+    output_dir: str = opt("outputs/sweep", "Folder for the cells' outputs and the report (report/, replaced "
+                          "on every run).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        parse_grid(self.grid)  # a bad grid fails here, before any run starts
+        if self.seeds < 1:
+            raise DataError(f"must be at least 1, got {self.seeds}", "command line", field="seeds")
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
-          "validate": ValidateConfig, "pipeline": PipelineConfig}
+          "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig}
 
 
 def fields(cls):
     return dataclasses.fields(cls)
 
 
+def scalar(text: str):
+    """A command-line value: true/false, null, an int, a float (1e-3 too), else the string itself. Not YAML's
+    rules, under which `save_strategy=no` would arrive as False (and 1e-3 as a string)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "null":
+        return None
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_trainer_args(value) -> dict:
-    """'a=1 b=true c=x' (or a dict) -> {'a': 1, 'b': True, 'c': 'x'}; values parsed as YAML scalars."""
+    """'a=1 b=true c=x' (or a dict) -> {'a': 1, 'b': True, 'c': 'x'}; values parsed by `scalar`."""
     if isinstance(value, dict):
         return dict(value)
     out = {}
@@ -266,7 +335,7 @@ def parse_trainer_args(value) -> dict:
         if "=" not in item:
             raise SlmsqlError(f"trainer_args: expected key=value, got {item!r}")
         k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        out[k.strip()] = scalar(v)
     return out
 
 
@@ -298,6 +367,93 @@ def coerce(cls, name: str, value, source="command line"):
     if choices and value not in choices:
         raise DataError(f"must be one of {list(choices)}, got {value!r}", source, field=name)
     return value
+
+
+def param_text(value) -> str:
+    """A value as a command-line / MLproject parameter string, parsed back to the same value by `coerce`."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+# GRPO fields a sweep sets itself, and the option that sets them
+SWEEP_OWNED = {"seed": "--seeds", "model": "--model", "base_adapter": "--base-adapter", "data": "--data",
+               "db_root": "--db-root", "experiment": "--experiment", "output_dir": "the sweep (per cell)",
+               "run_name": "the sweep (per cell)", "overwrite": "the sweep", "resume": "the sweep"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One GRPO variant of a sweep: `settings` (field -> value; `trainer_args` a dict of TRL fields) on top of
+    the sweep's GRPO config. `label` names it (`defaults` when it changes nothing)."""
+
+    label: str
+    settings: dict
+
+
+def parse_grid(text: str, source: str = "--grid") -> list[Variant]:
+    """`--grid` -> variants. Within a group, space-separated axes FIELD=v1,v2,... mean every combination of their
+    values; groups separated by ';' add up (`runs_tier=0 format_tier=0; dynamic_sampling=true` is 2 variants,
+    not 4). `defaults` is a group of one variant changing nothing. Values are coerced by the GRPO field's type;
+    the items of a list field's value are joined by '+' (rewards=execution+format,execution);
+    `trainer_args.KEY=v1,v2` varies one TRL field (values read as YAML scalars)."""
+    import itertools
+
+    cls = GRPOStageConfig
+    names = {f.name for f in fields(cls)}
+    variants: list[Variant] = []
+    for group in (text or "").split(";") if (text or "").strip() else ["defaults"]:
+        group = group.strip()
+        if not group:
+            raise DataError("empty variant group (two ';' in a row, or one at an end)", source)
+        if group == "defaults":
+            variants.append(Variant("defaults", {}))
+            continue
+        axes: dict[str, list] = {}
+        for token in group.split():
+            name, sep, values = token.partition("=")
+            if not sep or not name:
+                raise DataError(f"expected FIELD=v1,v2,..., got {token!r}", source)
+            key = name.split(".", 1)
+            if key[0] == "trainer_args" and len(key) == 2 and key[1]:
+                coerced = [parse_trainer_args(f"{key[1]}={v}")[key[1]] for v in values.split(",") if v.strip()]
+            elif name not in names:
+                raise DataError(f"no such GRPO option; known: {sorted(names - set(SWEEP_OWNED))} (or "
+                                "trainer_args.KEY)", source, field=name)
+            elif name in SWEEP_OWNED:
+                raise DataError(f"set by {SWEEP_OWNED[name]}, not by the grid", source, field=name)
+            elif typing.get_type_hints(cls)[name] is dict:
+                raise DataError("vary one TRL field at a time: trainer_args.KEY=v1,v2", source, field=name)
+            else:
+                raw = [v.strip() for v in values.split(",") if v.strip()]
+                multi = list_type(typing.get_type_hints(cls)[name])
+                coerced = [coerce(cls, name, v.split("+") if multi else v, source) for v in raw]
+            if not coerced:
+                raise DataError("no values", source, field=name)
+            if name in axes:
+                raise DataError("axis given twice in one group", source, field=name)
+            texts = [param_text(v) for v in coerced]
+            if len(set(texts)) != len(texts):
+                raise DataError(f"a value is given twice: {values!r}", source, field=name)
+            axes[name] = coerced
+        for combo in itertools.product(*axes.values()):
+            settings, label = {}, []
+            for name, value in zip(axes, combo):
+                if name.startswith("trainer_args."):
+                    settings.setdefault("trainer_args", {})[name.split(".", 1)[1]] = value
+                else:
+                    settings[name] = value
+                shown = "+".join(map(str, value)) if isinstance(value, list) else param_text(value)
+                label.append(f"{name}={shown}")
+            variants.append(Variant(" ".join(label), settings))
+    labels = [v.label for v in variants]
+    if dup := sorted({x for x in labels if labels.count(x) > 1}):
+        raise DataError(f"variant(s) {dup} given more than once", source)
+    return variants
 
 
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,

@@ -1,4 +1,5 @@
-"""The figures runs log: pass-rate histogram (filter), EX with intervals beside the baseline (evaluate)."""
+"""The figures runs log: pass-rate histogram (filter), EX with intervals beside the baseline (evaluate), the
+sweep's forest plot of each variant's pooled difference."""
 
 from __future__ import annotations
 
@@ -44,5 +45,32 @@ def ex_figure(metrics: dict, comparison: dict | None, label: str):
     ax.set_ylim(0, 100)
     if comparison:
         ax.set_title(f"{comparison['verdict']} (McNemar p={comparison['mcnemar_p']:.3g})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def forest_figure(report: dict):
+    """A sweep's forest plot: per eval set, each variant's pooled EX difference vs the starting policy with its
+    interval (blue: improved, red: regressed, black: no significant difference after Holm), and each seed's
+    own difference as a grey dot: the spread a single seed would have hidden."""
+    plt = _pyplot()
+    sets, variants = report["eval_sets"], [v["label"] for v in report["variants"]]
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 0.5 * len(variants) + 1.6), squeeze=False,
+                             sharey=True)
+    colors = {"improved": "#36c", "regressed": "#c33"}
+    for ax, es in zip(axes[0], sets):
+        rows = {r["variant"]: r for r in report["rows"] if r["eval_set"] == es["name"]}
+        for y, label in enumerate(variants):
+            r = rows[label]
+            color = colors.get(r["verdict"], "k")
+            ax.plot([100 * r["diff_ci_low"], 100 * r["diff_ci_high"]], [y, y], color=color, lw=1.5)
+            ax.plot(100 * r["diff"], y, "s", color=color)
+            ax.plot([100 * (x - r["ex_b"]) for x in r["ex_seeds"]], [y] * len(r["ex_seeds"]), "o", ms=3,
+                    color="#999", zorder=0)
+        ax.axvline(0, color="#888", lw=0.8, ls="--")
+        ax.set_yticks(range(len(variants)), variants, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"EX difference, points ({1 - report['alpha']:.0%} CI)")
+        ax.set_title(f"{es['name']} (n = {es['n']}, start {100 * es['ex_b']:.1f}%)", fontsize=9)
     fig.tight_layout()
     return fig

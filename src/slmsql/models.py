@@ -8,6 +8,14 @@ dropped: the string itself; for an existing local directory also its real path, 
 sides are existing local directories (two different local checkpoints), the last path component decides, so
 `/models/Qwen2.5-Coder-1.5B-Instruct` matches `Qwen/Qwen2.5-Coder-1.5B-Instruct`. A missing
 `base_model_name_or_path` cannot be checked and is let through with a warning.
+
+Stacked adapters (`grpo --adapter-mode stack`): such a LoRA was trained on the base model with another adapter
+merged in, yet records the plain base (PEFT's base_model_name_or_path), so loading it on that base alone would
+silently drop the merged adapter. Its folder therefore holds `slmsql_stack.json` and a copy of the merged
+adapter in `base_adapter/` (a stacked one itself, recursively, when it was stacked). `load_model` merges
+`base_adapter/` into the base before applying the adapter, wherever the folder came from (the output folder, the
+MLflow artifact, a Hub repo); `check_adapter_base` checks it against the model too, and refuses a stacked
+adapter whose `base_adapter/` is missing.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from .data import write_json
 from .errors import SlmsqlError
 from .hub import is_path, snapshot_id
 
@@ -76,9 +85,85 @@ def _adapter_config(adapter: str) -> dict:
         raise SlmsqlError(f"adapter '{adapter}': not a local directory and not loadable from the Hub ({e})") from e
 
 
+STACK_RECORD = "slmsql_stack.json"  # in a stacked adapter's folder: what it was trained on top of
+STACK_BASE = "base_adapter"  # the subfolder holding that adapter, merged into the base before this one applies
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", STACK_RECORD)
+
+
+def _hub_files(repo: str, patterns: list[str]) -> Path:
+    """The files of Hub repo `repo` matching `patterns`, downloaded (a folder; empty when none match)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns))
+    except Exception as e:  # HTTP, offline or not-found errors depending on what went wrong
+        raise SlmsqlError(f"adapter '{repo}': cannot download its files from the Hub ({e})") from e
+
+
+def stacked_on(adapter: str | os.PathLike) -> Path | None:
+    """The local folder of the adapter that `adapter` was stacked on (see the module docstring), or None."""
+    path = Path(adapter).expanduser()
+    if not path.is_dir():
+        if is_path(str(adapter)):
+            return None  # _adapter_config reports the missing folder
+        path = _hub_files(str(adapter), [STACK_RECORD, f"{STACK_BASE}/*"])
+    record = path / STACK_RECORD
+    if not record.is_file():
+        return None
+    base = path / STACK_BASE
+    if not (base / "adapter_config.json").is_file():
+        on = json.loads(record.read_text()).get("base_adapter", "?")
+        raise SlmsqlError(f"adapter '{adapter}' was trained on top of adapter '{on}' (merged into the base model), "
+                          f"but its copy {STACK_BASE}/ is missing from the adapter folder: without it the adapter "
+                          "would load without that change. Keep the whole folder together")
+    return base
+
+
+def record_stack(folder: str | os.PathLike, base_adapter: str | os.PathLike, merged: bool) -> None:
+    """Make the adapter just saved in `folder` load as trained (see the module docstring). `merged`: it was trained
+    on the base with `base_adapter` merged in (stack mode); else it is `base_adapter` trained further (continue),
+    which stays on whatever `base_adapter` was stacked on."""
+    import shutil
+
+    if merged:
+        beneath, on = adapter_folder(base_adapter), str(base_adapter)
+    else:
+        beneath = stacked_on(base_adapter)
+        if beneath is None:
+            return  # a plain adapter trained further: nothing lies beneath it
+        on = json.loads((beneath.parent / STACK_RECORD).read_text())["base_adapter"]
+    copy = Path(folder) / STACK_BASE
+    copy.mkdir(parents=True, exist_ok=True)
+    for name in ADAPTER_FILES:
+        if (beneath / name).is_file():
+            shutil.copy2(beneath / name, copy / name)
+    if (beneath / STACK_BASE).is_dir():
+        shutil.copytree(beneath / STACK_BASE, copy / STACK_BASE, dirs_exist_ok=True)
+    if not (copy / "adapter_config.json").is_file():
+        raise SlmsqlError(f"adapter '{base_adapter}': no adapter_config.json to copy into {copy}")
+    write_json(Path(folder) / STACK_RECORD, {
+        "base_adapter": on, "copy": STACK_BASE,
+        "note": f"trained on the base model with {STACK_BASE}/ merged in: merge it before applying this adapter"})
+
+
+def adapter_folder(adapter: str | os.PathLike) -> Path:
+    """A local folder holding `adapter`'s files: the folder itself, or those files downloaded from the Hub."""
+    path = Path(adapter).expanduser()
+    if path.is_dir() or is_path(str(adapter)):
+        return path
+    return _hub_files(str(adapter), [*ADAPTER_FILES, f"{STACK_BASE}/*"])
+
+
 def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> None:
-    """Raise SlmsqlError if `adapter` is missing or was trained on a base other than `model`. Loads no weights."""
+    """Raise SlmsqlError if `adapter` is missing, was trained on a base other than `model`, or was stacked on an
+    adapter it no longer carries (see the module docstring). Loads no weights."""
     adapter, model = str(adapter), str(model)
+    _check_one_base(adapter, model)
+    if beneath := stacked_on(adapter):
+        check_adapter_base(beneath, model)
+
+
+def _check_one_base(adapter: str, model: str) -> None:
     base = _adapter_config(adapter).get("base_model_name_or_path")
     if not base:
         log.warning("adapter %s records no base_model_name_or_path; cannot check it matches %s", adapter, model)
@@ -164,6 +249,7 @@ def load_model(
     if adapter is not None:
         from peft import PeftModel
 
+        lm = _merge_stack(lm, adapter)
         lm = PeftModel.from_pretrained(lm, str(adapter), is_trainable=trainable)
         if merge_adapter:
             lm = lm.merge_and_unload()
@@ -173,6 +259,16 @@ def load_model(
         lm.eval()
         lm.requires_grad_(False)
     return lm, tokenizer
+
+
+def _merge_stack(lm, adapter):
+    """`lm` with the adapter(s) `adapter` was stacked on merged in, innermost first (see the module docstring)."""
+    from peft import PeftModel
+
+    beneath = stacked_on(adapter)
+    if beneath is None:
+        return lm
+    return PeftModel.from_pretrained(_merge_stack(lm, beneath), str(beneath)).merge_and_unload()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 2000):

@@ -6,6 +6,11 @@ parameters that determine its result): a crash then keeps `.partial/` with `resu
 MLflow run id), and the next run with the same output folder and identity picks up from it, in the same
 MLflow run. `resume=None` resumes whenever it can (filter); `resume=False` refuses a leftover `.partial/`
 unless `overwrite` (grpo without --resume: an unfinished run is never silently thrown away).
+
+Several processes (torchrun, `accelerate launch`): every one of them opens the same `Staged`, and the main
+process alone prepares `.partial/`, reads and writes the resume state, and promotes the folder, after a
+barrier that waits for every process to be done with it; the others get the main process's outcome (or its
+error). Checkpoints are still written into `.partial/` by the trainer, by whichever process it decides.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
+from . import distributed
 from .data import write_json
 from .errors import SlmsqlError
 
@@ -47,6 +53,11 @@ class Staged:
         return self.identity is not None
 
     def __enter__(self) -> Staged:
+        # the main process prepares the folder; the others wait for it and learn the run to continue
+        self.run_id = distributed.from_main(self._prepare)
+        return self
+
+    def _prepare(self) -> str | None:
         if self.work.exists():
             if not self.resumable or (self.resume is False and self.overwrite):
                 shutil.rmtree(self.work)
@@ -58,23 +69,33 @@ class Staged:
             saved = json.loads(state.read_text(encoding="utf-8"))
             if saved["identity"] != self.identity:
                 raise SlmsqlError(f"{self.work} holds an unfinished run with other parameters; delete it to start over")
-            self.run_id = saved["run_id"]
-        return self
+            return saved["run_id"]
+        return None
 
     def bind(self, run_id: str) -> None:
-        """Record the MLflow run doing this work, so a rerun after a crash continues it."""
-        if self.resumable:
+        """Record the MLflow run doing this work, so a rerun after a crash continues it (main process)."""
+        if self.resumable and distributed.is_main():
             write_json(self.work / STATE, {"identity": self.identity, "run_id": run_id})
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            if not self.resumable:
-                shutil.rmtree(self.work, ignore_errors=True)
-            return
-        (self.work / STATE).unlink(missing_ok=True)
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.work, self.out)
+        if exc_type is None:
+            try:
+                distributed.barrier()  # every process is done with the folder before it moves
+            except BaseException:
+                self._failed()
+                raise
+            if distributed.is_main():
+                (self.work / STATE).unlink(missing_ok=True)
+                if self.out.exists():
+                    shutil.rmtree(self.out)
+                os.replace(self.work, self.out)
+            distributed.barrier()  # and the output exists for every process that returns
+        else:  # no barrier: the other processes may be gone
+            self._failed()
+
+    def _failed(self) -> None:
+        if not self.resumable and distributed.is_main():
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def link_or_copy(src, dst, *, follow_symlinks=True):

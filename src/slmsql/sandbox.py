@@ -196,8 +196,24 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _init_worker(limits: Limits, slots, counter, runner):
+def _follow(owner: int) -> None:
+    """Exit once the pool's owner is gone. An owner killed outright (SIGKILL, the OOM killer, a launcher
+    stopping a rank) never closes its pool, and the workers (children of the forkserver, not of the owner)
+    would wait on their job queue forever, keeping the forkserver alive with them."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+
+
+def _init_worker(limits: Limits, slots, counter, runner, owner: int | None = None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if owner is not None:
+        threading.Thread(target=_follow, args=(owner,), daemon=True).start()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
@@ -231,8 +247,12 @@ class SandboxPool:
     def __init__(self, workers: int | None = None, limits: Limits = Limits(), *,
                  chunksize: int | None = None, start_method: str | None = None, runner=None):
         """`runner(db_file, sql, limits) -> tuple` executes one job in a worker (default: the sandbox's own);
-        a module-level function, so it pickles. Tests pass one that crashes or hangs on purpose."""
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        a module-level function, so it pickles. Tests pass one that crashes or hangs on purpose.
+        `workers` by default: this process's share of the CPUs (all of them, unless a launcher started
+        several processes on this machine, each with its own pool)."""
+        from .distributed import cpu_share  # here: the module itself imports nothing of slmsql
+
+        self.workers = max(1, workers or cpu_share())
         self.limits, self.chunksize = limits, chunksize
         self._ctx = mp.get_context(start_method or _default_start_method())
         if self._ctx.get_start_method() == "forkserver":
@@ -275,7 +295,7 @@ class SandboxPool:
             counter = self._ctx.Value("i", 0)
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=self._ctx, initializer=_init_worker,
-                initargs=(self.limits, self._slots, counter, self._runner))
+                initargs=(self.limits, self._slots, counter, self._runner, os.getpid()))
         return self._pool
 
     def _restart(self):

@@ -248,6 +248,18 @@ def compare_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alph
     }
 
 
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment, which keeps the chance of any false "significant" across the family at
+    alpha: over the ascending p_(1..m), adjusted p_(i) = max over j <= i of min(1, (m - j + 1) p_(j)), in the
+    input's order (statsmodels' `multipletests(method="holm")`). Compare the adjusted p with alpha."""
+    from statsmodels.stats.multitest import multipletests
+
+    p = np.asarray(pvalues, dtype=float)
+    if p.ndim != 1 or np.any(~np.isfinite(p)) or np.any((p < 0) | (p > 1)):
+        raise StatsError(f"p-values must be a 1-D sequence of numbers in [0, 1], got {list(pvalues)}")
+    return [float(x) for x in multipletests(p, method="holm")[1]] if p.size else []
+
+
 def worst_case_pairing(k_a: int, k_b: int, n: int) -> tuple[list[bool], list[bool]]:
     """Per-question results consistent with the counts that maximise disagreement (the least favourable
     pairing for detecting a difference): use when only aggregate counts were published."""

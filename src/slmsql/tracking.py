@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from . import distributed
 from .data import write_json
 from .errors import SlmsqlError
 
@@ -40,23 +41,37 @@ def configure() -> str:
 
 @contextlib.contextmanager
 def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None, run_id: str | None = None):
-    """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params."""
+    """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
+
+    Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
+    holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
+    the world size and the launcher."""
+    import types
+
     import mlflow
 
     from .configs import to_params
 
-    configure()
-    run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
-    if not run_id:
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
-    nested = mlflow.active_run() is not None
-    with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage), nested=nested) as run:
-        mlflow.set_tags({"slmsql.stage": stage, **(tags or {})})
-        logged = mlflow.get_run(run.info.run_id).data.params
-        new = {k: v[:6000] for k, v in {**to_params(cfg), **(params or {})}.items() if k not in logged}
-        if new:  # params are immutable: a resumed run logs only what it has not logged yet
-            mlflow.log_params(new)
-        yield run
+    params = {**to_params(cfg), **(params or {})}
+    if not distributed.is_main():
+        yield types.SimpleNamespace(info=types.SimpleNamespace(run_id=distributed.receive()))
+        return
+    with distributed.sending() as send:
+        configure()
+        run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
+        if not run_id:
+            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+        nested = mlflow.active_run() is not None
+        with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
+                              nested=nested) as run:
+            mlflow.set_tags({"slmsql.stage": stage, "slmsql.world_size": str(distributed.world_size()),
+                             "slmsql.launcher": distributed.launcher(), **(tags or {})})
+            logged = mlflow.get_run(run.info.run_id).data.params
+            new = {k: v[:6000] for k, v in params.items() if k not in logged}
+            if new:  # params are immutable: a resumed run logs only what it has not logged yet
+                mlflow.log_params(new)
+            send(run.info.run_id)
+            yield run
 
 
 def stage_run_of(client, run_id: str, stage: str, role: str, finished: bool = True):

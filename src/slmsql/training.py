@@ -16,13 +16,16 @@ import dataclasses
 import json
 from pathlib import Path
 
+from . import distributed
+from .configs import to_params
 from .errors import SlmsqlError
 
 OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run name (--run-name)",
          "report_to": "slmsql's own MLflow callback (report_to=mlflow would log ~224 params)",
          "logging_dir": "the staging folder"}
 SUMMARY_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
-                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time")
+                "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time",
+                "dynamic_sampling/groups_dropped", "dynamic_sampling/extra_rounds")
 
 
 def device_args() -> dict:
@@ -49,9 +52,14 @@ def trl_config(trl_cls, cfg, work: Path, **stage_settings):
     passed = {k: (v if v != [] else None) for k, v in passed.items()}  # an empty list option means "TRL's default"
     settings = {**device_args(), **stage_settings, **passed, **extra}
     try:
-        return trl_cls(output_dir=str(work), report_to="none", **settings)
+        args = trl_cls(output_dir=str(work), report_to="none", **settings)
     except (TypeError, ValueError) as e:
         raise SlmsqlError(f"{trl_cls.__name__}: {e}") from None
+    # Under a launcher, building the config has just initialised the process group: before any process
+    # touches the output folder or the run, check that all of them resolved the same config (the main
+    # process logs its own as the run's params).
+    distributed.check_same("config", to_params(cfg))
+    return args
 
 
 def lora_config(cfg):

@@ -4,6 +4,8 @@ args -> data -> model -> rewards -> trainer -> save. Everything is checked befor
 MLflow gets TRL's metrics (names made safe), the reward's execution-status mix and correctness-varying
 group fraction, sampled completions as tables every `completions_every` steps, a run summary, and the final
 adapter with its tokenizer and resolved config. `--resume` continues the crashed run in the same MLflow run.
+Under torchrun / `accelerate launch` every process generates and trains on its share of each batch, with
+its own sandbox pool; the main process alone logs to MLflow and writes the adapter (distributed.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
+    from .. import distributed, grpo_variants
     from ..rewards import check
 
     check(cfg.rewards, cfg.reward_weights)
+    grpo_variants.check(cfg, world_size=distributed.world_size())
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
@@ -36,10 +40,10 @@ def main(cfg: GRPOStageConfig) -> dict:
     import mlflow
     import pandas as pd
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    from .. import rewards, tracking, training
-    from ..models import check_adapter_base, load_model
+    from .. import distributed, grpo_variants, rewards, tracking, training
+    from ..models import check_adapter_base, load_model, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -52,8 +56,11 @@ def main(cfg: GRPOStageConfig) -> dict:
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
+    identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it
     st = Staged(cfg.output_dir, cfg.overwrite, identity=identity, resume=cfg.resume)
-    args = training.trl_config(  # also refuses unknown or slmsql-owned trainer_args, before any model loads
+    # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
+    # initialises the process group, which the output folder and the run below coordinate through
+    args = training.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
         gradient_checkpointing=False)
     tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter,
@@ -62,13 +69,14 @@ def main(cfg: GRPOStageConfig) -> dict:
     with st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
-        work = st.work
+        work, main = st.work, distributed.is_main()
         # data: conversational prompts; `sql`, `db_path`, `id` reach the reward functions as columns
         builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
-        mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame([e.to_json() for e in examples]),
-                                                 source=cfg.data, name="rl"), context="training")
+        if main:
+            mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame([e.to_json() for e in examples]),
+                                                     source=cfg.data, name="rl"), context="training")
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
@@ -79,31 +87,40 @@ def main(cfg: GRPOStageConfig) -> dict:
             model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         peft_config = training.lora_config(cfg) if cfg.use_lora and not continue_adapter else None
 
-        # rewards: registry functions bound to this run's sandbox and tiers
+        # rewards: registry functions bound to this run's sandbox and tiers (and, for the correctness-aware
+        # options, to the hook through which the trainer reads each completion's execution outcome)
         tiers = rewards.Tiers(runs=cfg.runs_tier, format=cfg.format_tier)
-        reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match)
+        Trainer, hooks = grpo_variants.trainer_class(cfg)
+        reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match, **hooks)
 
-        # trainer
-        trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args,
-                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                              peft_config=peft_config,
-                              callbacks=[training.metrics_callback(),
-                                         training.completions_logger(work, cfg.completions_every)])
+        # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
+        trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          peft_config=peft_config,
+                          callbacks=[training.metrics_callback(),
+                                     training.completions_logger(work, cfg.completions_every)])
         training.quiet_progress(trainer)
         t0 = time.time()
-        trainer.train(resume_from_checkpoint=training.last_checkpoint(work) if cfg.resume else None)
+        # the main process picks the checkpoint, so every process resumes from the same one
+        resume_from = distributed.from_main(lambda: training.last_checkpoint(work)) if cfg.resume else None
+        trainer.train(resume_from_checkpoint=resume_from)
 
-        # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run
-        final = work / "adapter"
-        trainer.model.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
+        # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run; by the main
+        # process only (every process holds the same weights after the last synchronised step)
         summary = {**training.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step}
-        mlflow.log_metrics(summary)
-        mlflow.log_artifacts(str(final), "adapter")
-        write_json(work / "summary.json", summary)
-        mlflow.log_artifact(str(work / "summary.json"))
+        if main:
+            final = work / "adapter"
+            trainer.model.save_pretrained(final)
+            if cfg.base_adapter and (continue_adapter or peft_config is not None):
+                # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
+                record_stack(final, cfg.base_adapter, merged=not continue_adapter)
+            tokenizer.save_pretrained(final)
+            write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
+            mlflow.log_metrics(summary)
+            mlflow.log_artifacts(str(final), "adapter")
+            write_json(work / "summary.json", summary)
+            mlflow.log_artifact(str(work / "summary.json"))
     log.info("GRPO done: %s", json.dumps(summary))
     return summary
 

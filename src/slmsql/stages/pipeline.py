@@ -4,95 +4,28 @@ toy -> tiny-model -> sft -> filter -> grpo -> evaluate (SFT, GRPO vs SFT; dev an
 (--dry-run unless --push: then the SFT model goes to --base-repo, the adapter to --repo-id, and the text2sql
 model is registered)
 
-Each step is its own `mlflow.run` (local env manager) under one parent run. Steps hand each other their
-outputs by run URI (artifacts downloaded from the tracking store, so a remote server works the same), and a
-finished step whose parameters and code version match is reused instead of re-run.
+Each step is its own `mlflow.run` (local env manager) under one parent run, reused when a finished run with
+the same parameters and code version exists (`slmsql.workflow`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from pathlib import Path
 
 from ..configs import PipelineConfig
-
-log = logging.getLogger(__name__)
-PACKAGE = Path(__file__).resolve().parents[1]  # src/slmsql
-ROOT = PACKAGE.parents[1]  # the MLproject folder
-
-
-def code_version() -> str:
-    """Hash of everything that shapes a step's result: the whole package, the data-check suites and the card
-    template. A reused step must have been produced by this code."""
-    h = hashlib.sha256()
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
-    for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
-        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-class Steps:
-    def __init__(self, cfg: PipelineConfig, experiment_id: str):
-        import mlflow
-
-        self.cfg, self.experiment_id, self.version = cfg, experiment_id, code_version()
-        self.client = mlflow.MlflowClient()
-        self.out = Path(cfg.output_dir).resolve()
-
-    def params(self, stage: str, name: str, given: dict) -> dict:
-        extra = {k.split(".", 1)[1]: v for k, v in self.cfg.overrides.items() if k.split(".", 1)[0] == stage}
-        return {"output_dir": str(self.out / name), "experiment": self.cfg.experiment, "run_name": name,
-                "seed": self.cfg.seed, **given, **extra}
-
-    def _reusable(self, stage: str, params: dict):
-        runs = self.client.search_runs(
-            [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
-            f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
-        for run in runs:
-            if all(run.data.params.get(k) == str(v) for k, v in params.items() if k != "overwrite"):
-                return run
-        return None
-
-    def run(self, stage: str, name: str, **given):
-        """Run (or reuse) one step; returns its finished MLflow run."""
-        import mlflow
-
-        params = self.params(stage, name, given)
-        if self.cfg.reuse and (found := self._reusable(stage, params)):
-            log.info("step %-14s reused run %s", name, found.info.run_id)
-            return found
-        log.info("step %-14s running ...", name)
-        sub = mlflow.run(str(ROOT), entry_point=stage.replace("-", "_"), env_manager="local",
-                         experiment_id=self.experiment_id, run_name=name,
-                         parameters={**params, "overwrite": "true"}, synchronous=True)
-        self.client.set_tag(sub.run_id, "slmsql.code_version", self.version)
-        return self.client.get_run(sub.run_id)
-
-    def artifact(self, run, path: str) -> str:
-        """A step's output, fetched by run URI into a stable folder (a stable path keeps reuse matching)."""
-        import mlflow
-
-        dst = self.out / "from-runs" / run.info.run_id
-        if (dst / path).exists():
-            return str(dst / path)
-        dst.mkdir(parents=True, exist_ok=True)
-        return mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path, dst_path=str(dst))
+from ..workflow import Steps, use_this_cli
 
 
 def main(cfg: PipelineConfig) -> dict:
-    import os
-    import sys
-
     import mlflow
 
     from .. import tracking
 
-    # `mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    use_this_cli()
 
     with tracking.stage_run("pipeline", cfg) as parent:
-        s = Steps(cfg, parent.info.experiment_id)
+        s = Steps(parent.info.experiment_id, output_dir=cfg.output_dir, experiment=cfg.experiment, seed=cfg.seed,
+                  reuse=cfg.reuse, overrides=cfg.overrides)
         toy = s.run("toy", "toy", size=cfg.size)
         world = Path(s.artifact(toy, "toy"))
         dbs = str(world / "databases")

@@ -21,6 +21,7 @@ found from the folder: the pipeline's from-runs/<run id>/, else an SFT run whose
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -55,7 +56,15 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     from ..text2sql import settings_from_runs
 
     client = mlflow.MlflowClient()
-    if not cfg.eval_runs:
+    sweep_run, sweep, eval_runs = None, None, cfg.eval_runs
+    if cfg.sweep_run:
+        sweep_run = tracking.stage_run_of(client, cfg.sweep_run, "sweep", "sweep")
+        sweep = json.loads(tracking.download(cfg.sweep_run, "report/sweep.json", tmp / "sweep").read_text())
+        cell = next((c for c in sweep["cells"] if c["grpo_run"] == cfg.grpo_run), None)
+        if cell is None:
+            raise SlmsqlError(f"GRPO run {cfg.grpo_run} is not a cell of sweep run {cfg.sweep_run}")
+        eval_runs = eval_runs or list(cell["eval_runs"].values())
+    if not eval_runs:
         raise SlmsqlError("give --eval-runs: the card's results (model-index) come from evaluation runs")
     grpo = tracking.stage_run_of(client, cfg.grpo_run, "grpo", "GRPO")
     model = grpo.data.tags.get("slmsql.model", "")
@@ -73,7 +82,7 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     else:
         log.warning("base model %r is a local checkpoint: this card could be written, not pushed", model)
     evals, baselines = [], {}
-    for run_id in cfg.eval_runs:
+    for run_id in eval_runs:
         run = tracking.stage_run_of(client, run_id, "evaluate", "evaluation")
         _same_base(run, model, "evaluation")
         metrics = json.loads(tracking.download(run_id, "metrics.json", tmp / run_id).read_text())
@@ -90,7 +99,8 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     adapter = tracking.download(grpo.info.run_id, "adapter", tmp / "grpo")
     check_adapter_base(adapter, model)  # the artifact is an adapter for the model the run names
     runs = cards.Runs(grpo=grpo, adapter_config=json.loads((adapter / "adapter_config.json").read_text()),
-                      evals=evals, baselines=baselines, base=base, settings=settings,
+                      evals=evals, baselines=baselines, sweep_run=sweep_run, sweep=sweep, base=base,
+                      settings=settings,
                       history={k: [m.value for m in client.get_metric_history(grpo.info.run_id, k)]
                                for _, k, _, _ in cards.TELEMETRY})
     if cfg.filter_run:
@@ -231,6 +241,8 @@ def main(cfg: PublishConfig) -> dict:
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before any download if the folder is in the way
     with tempfile.TemporaryDirectory() as tmp:
         runs, adapter = gather(cfg, Path(tmp))
+        # eval runs taken from the sweep's cell are named as if given: in the card's command and the registry
+        cfg = dataclasses.replace(cfg, eval_runs=[run.info.run_id for run, _ in runs.evals])
         ctx = cards.context(runs, cfg)
         data = cards.card_data(ctx, cfg.license)
         text = cards.render(ctx, data)

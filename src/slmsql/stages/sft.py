@@ -2,6 +2,8 @@
 
 args -> data -> model -> trainer -> save. The output folder is a loadable policy: a full model
 (`--model OUT`) or a PEFT adapter (`--adapter OUT`), with the tokenizer, either way.
+Under torchrun / `accelerate launch` every process trains on its share of each batch; the main process alone
+logs to MLflow and writes the policy (distributed.py).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import tracking, training
-    from ..models import check_adapter_base, load_model
+    from .. import distributed, tracking, training
+    from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
 
     # args: every check before any model loads
     examples = read_gold(cfg.data)
@@ -40,7 +42,9 @@ def main(cfg: SFTStageConfig) -> dict:
     st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
-    args = training.trl_config(  # also refuses unknown or slmsql-owned trainer_args, before any model loads
+    # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
+    # initialises the process group, which the output folder and the run below coordinate through
+    args = training.trl_config(
         SFTConfig, cfg, st.work / "checkpoints", lr_scheduler_type="cosine",
         warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
         gradient_checkpointing=False, dataloader_num_workers=0)
@@ -50,7 +54,9 @@ def main(cfg: SFTStageConfig) -> dict:
         # data
         train = Dataset.from_list(conversations(cfg, examples))
         frame = pd.DataFrame([e.to_json() for e in examples])
-        mlflow.log_input(mlflow.data.from_pandas(frame, source=cfg.data, name="sft"), context="training")
+        main = distributed.is_main()
+        if main:
+            mlflow.log_input(mlflow.data.from_pandas(frame, source=cfg.data, name="sft"), context="training")
         # model
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
@@ -64,21 +70,27 @@ def main(cfg: SFTStageConfig) -> dict:
         if trainer.state.global_step == 0:
             raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
         work = st.work
-        # save: an adapter when LoRA, else the full model; the tokenizer beside it either way
-        if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
-            (work / "checkpoints").rmdir()
-        trainer.model.save_pretrained(work)
-        tokenizer.padding_side = "left"
-        tokenizer.save_pretrained(work)
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step, "examples": len(examples),
                    "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
-        write_json(work / "sft_summary.json", summary)
-        mlflow.log_metrics(tracking.numeric(summary))
-        mlflow.set_tag("slmsql.policy_kind", summary["kind"])
-        for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
-            if f.is_file():
-                mlflow.log_artifact(str(f), "policy")
+        # save: an adapter when LoRA, else the full model; the tokenizer beside it either way. By the main
+        # process only: every process holds the same weights after the last synchronised step.
+        if main:
+            if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
+                (work / "checkpoints").rmdir()
+            trainer.model.save_pretrained(work)
+            if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
+                record_stack(work, cfg.base_adapter, merged=False)
+            tokenizer.padding_side = "left"
+            tokenizer.save_pretrained(work)
+            write_json(work / "sft_summary.json", summary)
+            mlflow.log_metrics(tracking.numeric(summary))
+            mlflow.set_tag("slmsql.policy_kind", summary["kind"])
+            for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
+                if f.is_file():
+                    mlflow.log_artifact(str(f), "policy")
+                elif f.name == STACK_BASE:
+                    mlflow.log_artifacts(str(f), f"policy/{STACK_BASE}")
     log.info("SFT done: %d steps in %.0f s, loss %.3f -> %s", summary["steps"], summary["train_seconds"],
              summary["train_loss"], cfg.output_dir)
     return summary

@@ -1,0 +1,281 @@
+"""Sweep: GRPO variants x training seeds from one starting policy and one RL set, compared with that policy.
+
+plan (grid, cell configs, files, baseline runs: all checked before any run starts) -> baseline evaluations
+(the given runs, or the starting policy evaluated once per eval set) -> cells: `grpo`, then `evaluate` on
+every eval set against the baseline, each a child run of this one, reused when a finished run with the same
+parameters and code version exists (`slmsql.workflow`) -> report.
+
+Every cell logs the same metric names (grpo's, evaluate's `ex` and `vs_baseline_*`) and carries the tags
+`slmsql.variant` and `slmsql.seed`, so MLflow's compare view lines them up. The report pools each variant's
+seeds per eval set (`stats.compare_seeds`: mean EX, between-seed sd / min / max, a paired t-test per question
+with its interval), adjusts the p-values by Holm over every variant x eval set (the whole table is one family:
+a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. The interval and the
+unadjusted p are per comparison and agree with each other; the Holm p is what can make a verdict "no
+significant difference" where that interval excludes 0 (significant alone, not after trying every variant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import configs, stats
+from ..configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, param_text
+from ..data import read_jsonl, write_json
+from ..errors import DataError, SlmsqlError
+from ..outputs import Staged
+
+log = logging.getLogger(__name__)
+# fields of a cell's evaluate run that the sweep sets itself (the rest come from --evaluate-recipe / overrides)
+EVAL_OWNED = ("model", "adapter", "data", "db_root", "dataset_name", "baseline_run", "predictions", "alpha")
+STEP_OWNED = ("output_dir", "experiment", "run_name", "overwrite", "resume", "seed")  # set per step
+ROW_KEYS = ("ex_mean", "ex_sd", "ex_min", "ex_max", "diff", "diff_ci_low", "diff_ci_high", "p", "p_holm", "verdict")
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    name: str
+    data: str
+    db_root: str
+
+
+@dataclass
+class Plan:
+    variants: list[Variant]
+    grpo: dict  # variant label -> GRPOStageConfig of its cells (seed, output_dir set per cell)
+    evaluate: EvaluateConfig  # every evaluation's options but what EVAL_OWNED names
+    eval_sets: list[EvalSet]
+    seeds: list[int]
+
+
+def _local(path: str) -> str:
+    """A local path made absolute (steps run in the project folder), a Hub id kept as given."""
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
+def _overrides(cfg: SweepConfig, variants: list[Variant]) -> dict:
+    by_stage = {"grpo": {}, "evaluate": {}}
+    axes = {k for v in variants for k in v.settings}
+    for key, value in cfg.overrides.items():
+        stage, _, name = key.partition(".")
+        cls = {"grpo": GRPOStageConfig, "evaluate": EvaluateConfig}.get(stage)
+        if cls is None or name not in {f.name for f in configs.fields(cls)}:
+            raise DataError("expected grpo.FIELD or evaluate.FIELD, naming a field of that stage", "--overrides",
+                            field=key)
+        owned = configs.SWEEP_OWNED if stage == "grpo" else {**{k: "the sweep" for k in EVAL_OWNED},
+                                                              **{k: "the sweep" for k in STEP_OWNED}}
+        if name in owned:
+            raise DataError(f"set by {owned[name]}, not by --overrides", "--overrides", field=key)
+        if stage == "grpo" and name in axes:
+            raise DataError("also an axis of --grid: the grid's values would not be what ran", "--overrides",
+                            field=key)
+        by_stage[stage][name] = value
+    return by_stage
+
+
+def plan(cfg: SweepConfig) -> Plan:
+    """Everything the sweep will run, checked before anything runs."""
+    variants = configs.parse_grid(cfg.grid)
+    by_stage = _overrides(cfg, variants)
+    base = configs.load(GRPOStageConfig, cfg.grpo_recipe or None, by_stage["grpo"], require=False)
+    fixed = dict(model=_local(cfg.model), base_adapter=_local(cfg.base_adapter), data=_local(cfg.data),
+                 db_root=_local(cfg.db_root), experiment=cfg.experiment)
+    grpo, seen = {}, {}
+    for v in variants:
+        settings = dict(v.settings)
+        if "trainer_args" in settings:
+            settings["trainer_args"] = {**base.trainer_args, **settings["trainer_args"]}
+        vcfg = dataclasses.replace(base, **settings, **fixed)
+        key = repr(sorted(configs.to_params(vcfg).items()))
+        if key in seen:
+            raise DataError(f"variants {seen[key]!r} and {v.label!r} are the same GRPO configuration", "--grid")
+        seen[key] = v.label
+        if cfg.base_adapter and vcfg.adapter_mode == "stack":
+            raise SlmsqlError(f"variant {v.label!r}: adapter_mode=stack with --base-adapter trains an adapter on the "
+                              "merged start, which evaluate (one adapter on --model) cannot load; use continue")
+        grpo[v.label] = vcfg
+    evaluate = configs.load(EvaluateConfig, cfg.evaluate_recipe or None, by_stage["evaluate"], require=False)
+
+    n = len(cfg.eval_data)
+    if not n:
+        raise DataError("give at least one eval set", "command line", field="eval_data")
+    names = cfg.eval_names or [Path(p).stem for p in cfg.eval_data]
+    roots = cfg.eval_db_roots or [cfg.db_root] * n
+    for field, values in (("eval_names", names), ("eval_db_roots", roots), ("baseline_runs", cfg.baseline_runs)):
+        if values and len(values) != n:
+            raise DataError(f"{len(values)} given for {n} eval files: give one per --eval-data file", "command line",
+                            field=field)
+    if len(set(names)) != n:
+        raise DataError(f"eval set names must differ, got {names}", "command line", field="eval_names")
+    for path, field in [(cfg.data, "data"), *((p, "eval_data") for p in cfg.eval_data)]:
+        if not Path(path).is_file():
+            raise DataError("no such file", path, field=field)
+    for path in {cfg.db_root, *roots}:
+        if not Path(path).is_dir():
+            raise DataError("no such database folder", path)
+    if cfg.base_adapter and not Path(cfg.base_adapter).exists():
+        raise DataError("no such adapter folder", cfg.base_adapter, field="base_adapter")
+    sets = [EvalSet(name, _local(data), _local(root)) for name, data, root in zip(names, cfg.eval_data, roots)]
+    return Plan(variants, grpo, evaluate, sets, [cfg.seed + i for i in range(cfg.seeds)])
+
+
+def slug(label: str) -> str:
+    """A folder name for a variant."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")[:100] or "variant"
+
+
+def _params(cfg, skip=()) -> dict:
+    return {k: param_text(v) for k, v in dataclasses.asdict(cfg).items() if k not in STEP_OWNED + tuple(skip)}
+
+
+def _check_baselines(cfg: SweepConfig, sets: list[EvalSet]) -> dict:
+    import mlflow
+
+    from .. import tracking
+
+    client, runs = mlflow.MlflowClient(), {}
+    for es, run_id in zip(sets, cfg.baseline_runs):
+        run = tracking.stage_run_of(client, run_id, "evaluate", "baseline")
+        if run.data.tags.get("slmsql.dataset") != es.name:
+            raise SlmsqlError(f"baseline run {run_id} evaluated {run.data.tags.get('slmsql.dataset')!r}, not eval set "
+                              f"{es.name!r}: give --baseline-runs in the order of --eval-data")
+        runs[es.name] = run
+    return runs
+
+
+def _correct(steps, run) -> dict[str, bool]:
+    return {str(r["id"]): bool(r["correct"]) for r in read_jsonl(steps.artifact(run, "results.jsonl"))}
+
+
+def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
+    """The comparison table. `correct[run_id]` is an evaluate run's {question id: correct}; `cells` carry
+    variant, seed and eval_runs {eval set: run id}; baselines are under the cells' `baseline_runs`."""
+    rows = []
+    for v in plan.variants:
+        for es in plan.eval_sets:
+            mine = [c for c in cells if c["variant"] == v.label]
+            base = correct[mine[0]["baseline_runs"][es.name]]
+            ids = sorted(base)
+            runs = []
+            for c in mine:
+                got = correct[c["eval_runs"][es.name]]
+                if sorted(got) != ids:
+                    raise SlmsqlError(f"evaluate run {c['eval_runs'][es.name]} scored other questions than its baseline")
+                runs.append([got[i] for i in ids])
+            res = stats.compare_seeds(runs, [base[i] for i in ids], alpha)
+            rows.append({"variant": v.label, "eval_set": es.name, **{k: res[k] for k in (
+                "n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
+                "diff_ci_high", "t", "df", "p")}})
+    for row, p_holm in zip(rows, stats.holm([r["p"] for r in rows])):
+        row["p_holm"] = p_holm
+        row["verdict"] = stats.verdict(p_holm, row["diff"], alpha)
+    for row in rows:  # JSON has no NaN or inf: the sd of one seed, t when every question moved alike
+        for key in ("ex_sd", "t"):
+            row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
+    return {
+        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "comparisons": len(rows),
+        "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
+        "eval_sets": [{"name": es.name, "n": next(r["n"] for r in rows if r["eval_set"] == es.name),
+                       "ex_b": next(r["ex_b"] for r in rows if r["eval_set"] == es.name),
+                       "baseline_run": cells[0]["baseline_runs"][es.name]} for es in plan.eval_sets],
+        "variants": [{"label": v.label, "settings": {k: param_text(x) for k, x in v.settings.items()}}
+                     for v in plan.variants],
+        "rows": rows, "cells": cells,
+    }
+
+
+def wide_table(rep: dict):
+    """One row per variant, `<eval set>/<column>` columns: the table logged to MLflow."""
+    import pandas as pd
+
+    out = []
+    for v in rep["variants"]:
+        row = {"variant": v["label"], "seeds": len(rep["seeds"])}
+        for r in (r for r in rep["rows"] if r["variant"] == v["label"]):
+            row.update({f"{r['eval_set']}/{k}": r[k] for k in ROW_KEYS})
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def markdown(rep: dict) -> str:
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    pts = lambda x: "n/a" if x is None else f"{100 * x:+.1f}"  # noqa: E731
+    pv = lambda p: "< 0.001" if p < 0.001 else f"{p:.3f}"  # noqa: E731
+    level = f"{1 - rep['alpha']:.0%}"
+    lines = [f"{len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) {rep['seeds']}, each vs the starting "
+             f"policy. Pooled test: {rep['method']}. p (Holm): {rep['adjustment']}; the verdict compares it "
+             f"with alpha = {rep['alpha']}. EX sd / min-max: between seeds.", ""]
+    for es in rep["eval_sets"]:
+        lines += [f"**{es['name']}** (n = {es['n']}; starting policy EX {pct(es['ex_b'])}, run {es['baseline_run']})",
+                  "", f"| variant | EX mean | sd (points) | min - max | diff, points [{level} CI] | p | p (Holm) | "
+                  "verdict |", "|---|---:|---:|---|---|---:|---:|---|"]
+        for r in (r for r in rep["rows"] if r["eval_set"] == es["name"]):
+            sd = "n/a" if r["ex_sd"] is None else f"{100 * r['ex_sd']:.1f}"
+            lines.append(f"| {r['variant']} | {pct(r['ex_mean'])} | {sd} | {pct(r['ex_min'])} - {pct(r['ex_max'])} | "
+                         f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}] | {pv(r['p'])} | "
+                         f"{pv(r['p_holm'])} | {r['verdict']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(cfg: SweepConfig) -> dict:
+    import mlflow
+
+    from .. import tracking
+    from ..figures import forest_figure
+    from ..workflow import Steps, use_this_cli
+
+    p = plan(cfg)
+    tracking.configure()
+    given = _check_baselines(cfg, p.eval_sets) if cfg.baseline_runs else {}
+    report_dir = Path(cfg.output_dir) / "report"
+    use_this_cli()
+    eval_params = _params(p.evaluate, EVAL_OWNED)
+    with tracking.stage_run("sweep", cfg) as parent:
+        s = Steps(parent.info.experiment_id, output_dir=cfg.output_dir, experiment=cfg.experiment, seed=cfg.seed,
+                  reuse=cfg.reuse)
+        out = s.out
+        baselines = dict(given)
+        for es in p.eval_sets:
+            if es.name not in baselines:
+                baselines[es.name] = s.run(
+                    "evaluate", f"eval {es.name} starting policy", tags={"slmsql.variant": "baseline"},
+                    output_dir=str(out / "baseline" / slug(es.name)), model=_local(cfg.model),
+                    adapter=_local(cfg.base_adapter), data=es.data, db_root=es.db_root, dataset_name=es.name,
+                    alpha=str(cfg.alpha), **eval_params)
+        baseline_ids = {k: r.info.run_id for k, r in baselines.items()}
+        cells, correct = [], {r.info.run_id: _correct(s, r) for r in baselines.values()}
+        for v in p.variants:
+            for seed in p.seeds:
+                where = out / "cells" / slug(v.label) / f"seed-{seed}"
+                tags = {"slmsql.variant": v.label, "slmsql.seed": seed, "slmsql.sweep": parent.info.run_id}
+                before = len(s.reused)
+                grpo = s.run("grpo", f"grpo {v.label} seed={seed}", tags=tags, output_dir=str(where / "grpo"),
+                             seed=seed, **_params(p.grpo[v.label]))
+                adapter = s.artifact(grpo, "adapter")
+                evals = {}
+                for es in p.eval_sets:
+                    run = s.run("evaluate", f"eval {es.name} {v.label} seed={seed}", tags=tags,
+                                output_dir=str(where / f"eval-{slug(es.name)}"), model=_local(cfg.model),
+                                adapter=adapter, data=es.data, db_root=es.db_root, dataset_name=es.name,
+                                baseline_run=baseline_ids[es.name], alpha=str(cfg.alpha), **eval_params)
+                    evals[es.name] = run.info.run_id
+                    correct[run.info.run_id] = _correct(s, run)
+                cells.append({"variant": v.label, "seed": seed, "grpo_run": grpo.info.run_id, "eval_runs": evals,
+                              "baseline_runs": baseline_ids, "reused": len(s.reused) - before == 1 + len(evals)})
+        rep = report(p, cells, correct, cfg.alpha)
+        text = markdown(rep)
+        with Staged(report_dir, overwrite=True) as st:  # derived from the runs alone: replaced on every run
+            write_json(st.work / "sweep.json", rep)
+            (st.work / "sweep.md").write_text(text + "\n", encoding="utf-8")
+        mlflow.log_artifacts(str(report_dir), "report")
+        mlflow.log_table(wide_table(rep), "sweep_table.json")
+        mlflow.log_figure(forest_figure(rep), "forest.png")
+        mlflow.log_metrics({"variants": len(p.variants), "cells": len(cells),
+                            "cells_reused": sum(c["reused"] for c in cells)})
+        print(f"\nslmsql sweep (parent run {parent.info.run_id})\n\n{text}\nreport: {report_dir}\n", flush=True)
+    return rep

@@ -1,0 +1,168 @@
+"""Which pipeline steps rerun and which are reused, against a real SQLite MLflow store.
+
+The real pipeline takes minutes, so each step's `mlflow.run` is replaced by `FakeRun`, which writes to the store
+what the stage writes into the run `workflow.Steps` created for it (parent tag, every MLproject parameter logged,
+defaults included), minus the work: what the stage adds (`slmsql.stage` tag, its resolved config as params where not logged yet, the
+artifacts the next steps download, the metrics the headline prints) and a FINISHED status. `pipeline.main` and
+`Steps` run for real: the parameters, the lookup of reusable runs, the artifact hand-over by run id.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import shutil
+from types import SimpleNamespace
+
+import mlflow
+import pytest
+
+from slmsql import configs
+from slmsql import workflow
+from slmsql.stages import pipeline
+
+STEPS = ["toy", "tiny-model", "sft", "filter", "grpo", "eval-sft-dev", "eval-grpo-dev", "eval-sft-dev_cross",
+         "eval-grpo-dev_cross", "publish"]
+DOWNSTREAM = {  # step -> the steps whose parameters carry its outputs (its artifacts or its run id), transitively
+    "toy": STEPS[1:], "tiny-model": STEPS[2:], "sft": STEPS[3:], "filter": ["grpo", "eval-grpo-dev",
+    "eval-grpo-dev_cross", "publish"], "grpo": ["eval-grpo-dev", "eval-grpo-dev_cross", "publish"]}
+ARTIFACTS = {"toy": "toy/dev.jsonl", "tiny-model": "model/config.json", "sft": "policy/config.json",
+             "filter": "band.jsonl", "grpo": "adapter/adapter_config.json"}
+METRICS = {"band": 3, "all_fail": 1, "all_pass": 1, "out_of_band": 0, "errors": 0, "ex": 0.5,
+           "summary/frac_reward_zero_std": 0.5, "summary/reward_std": 0.1,
+           "summary/exec_frac_groups_correctness_varies": 0.5, "vs_baseline_mcnemar_p": 1.0}
+
+
+class FakeRun:
+    """Stands in for `mlflow.run`; `names` lists the steps it ran."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.names = tmp_path, []
+
+    def __call__(self, uri, entry_point, env_manager, run_id, parameters, synchronous):
+        from mlflow.projects import _project_spec
+        from mlflow.entities import Metric, Param, RunTag
+
+        from slmsql.configs import STAGES, to_params
+
+        assert env_manager == "local" and synchronous
+        client = mlflow.MlflowClient()  # workflow.Steps made the run (parent tag, MLproject params) before this
+        self.names.append(client.get_run(run_id).info.run_name)
+        # the stage: `slmsql <stage>` run by the shell with the command `mlflow run` builds (cli.py resolves it)
+        stage = entry_point.replace("_", "-")
+        project = _project_spec.load_project(workflow.ROOT)
+        command = project.get_entry_point(entry_point).compute_command(parameters, None)
+        argv = shlex.split(command)[2:]
+        values = {argv[i].removeprefix("--").replace("-", "_"): argv[i + 1] for i in range(0, len(argv), 2)}
+        values.pop("recipe")
+        cfg = configs.load(STAGES[stage], None, values, defaults_yield=True)
+        logged = client.get_run(run_id).data.params
+        client.log_batch(  # one write for what the stage logs (the store's cost is per transaction)
+            run_id, params=[Param(k, v) for k, v in to_params(cfg).items() if k not in logged],
+            metrics=[Metric(k, v, 0, 0) for k, v in METRICS.items()],
+            tags=[RunTag("slmsql.stage", stage), RunTag("slmsql.verdict", "no significant difference")])
+        if stage in ARTIFACTS:
+            folder = self.tmp / "made" / run_id
+            (folder / ARTIFACTS[stage]).parent.mkdir(parents=True, exist_ok=True)
+            (folder / ARTIFACTS[stage]).write_text(run_id)
+            client.log_artifacts(run_id, str(folder))
+        client.set_terminated(run_id, "FINISHED")
+        return SimpleNamespace(run_id=run_id)
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory):
+    """A migrated, empty SQLite store, copied by each test (creating one costs seconds)."""
+    path = tmp_path_factory.mktemp("store") / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def pipe(tmp_path, monkeypatch, empty_store):
+    import os
+
+    shutil.copy(empty_store, os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///"))
+    monkeypatch.chdir(tmp_path)  # artifacts land under ./mlruns, inside this test's folder
+    fake = FakeRun(tmp_path)
+    monkeypatch.setattr(mlflow, "run", fake)
+    from mlflow.projects import _project_spec  # parsing MLproject costs ~0.5 s: once per test, not per step
+
+    monkeypatch.setattr(_project_spec, "load_project", functools.lru_cache(_project_spec.load_project))
+
+    def run(overrides="", reuse=True):
+        """One pipeline run; returns the steps it ran (in order) and the finished runs by step name."""
+        fake.names.clear()
+        # a space in the path: `mlflow run` logs such parameters shell-quoted
+        cfg = configs.load(configs.PipelineConfig, None, {"output_dir": str(tmp_path / "pipeline out"),
+                                                          "overrides": overrides, "reuse": reuse})
+        pipeline.main(cfg)
+        client = mlflow.MlflowClient()
+        parent = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
+                                    "tags.`slmsql.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])[0]
+        return list(fake.names), parent
+
+    return run
+
+
+def latest(name: str):
+    client = mlflow.MlflowClient()
+    return client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
+                              f"attributes.run_name = '{name}'", order_by=["attributes.start_time DESC"])[0]
+
+
+def below(step: str) -> list[str]:
+    return [s for s in STEPS if s == step or s in DOWNSTREAM[step]]
+
+
+def test_parameter_changes_rerun_the_step_and_downstream_only(pipe):
+    """One store's history; each pipeline run asserts exactly which steps ran (the others were reused)."""
+    assert pipe("grpo.max_steps=3")[0] == STEPS
+    assert pipe("grpo.max_steps=3")[0] == []  # nothing changed: everything reused
+    # dropping the override means max_steps 50 (the default): that grpo run was never made
+    assert pipe()[0] == below("grpo")
+    assert latest("grpo").data.params["max_steps"] == "50"
+    old_filter = latest("filter").info.run_id
+    assert pipe("filter.k=4")[0] == below("filter")  # toy, tiny-model, sft, the SFT evaluations: reused
+    # the rerun steps were handed the new upstream outputs, through their run ids
+    new_filter, grpo = latest("filter").info.run_id, latest("grpo")
+    assert new_filter != old_filter and f"/from-runs/{new_filter}/band.jsonl" in grpo.data.params["data"]
+    assert f"/from-runs/{grpo.info.run_id}/adapter" in latest("eval-grpo-dev").data.params["adapter"]
+    assert latest("publish").data.params["grpo_run"] == grpo.info.run_id
+    # a trainer arg given through --overrides is a parameter like any other
+    assert pipe("filter.k=4 grpo.trainer_args=warmup_steps=0.1")[0] == below("grpo")
+    assert pipe("filter.k=4 grpo.trainer_args=warmup_steps=0.1 evaluate.max_new_tokens=64")[0] == \
+        ["eval-sft-dev", "eval-grpo-dev", "eval-sft-dev_cross", "eval-grpo-dev_cross", "publish"]
+    assert pipe("filter.k=4 grpo.trainer_args=warmup_steps=0.1 evaluate.max_new_tokens=64")[0] == []
+
+
+def test_code_version_change_or_reuse_false_reruns_everything(pipe, monkeypatch):
+    assert pipe()[0] == STEPS
+    monkeypatch.setattr(workflow, "code_version", lambda: "another-version")
+    assert pipe()[0] == STEPS
+    assert pipe(reuse=False)[0] == STEPS
+
+
+def test_code_version_hashes_the_package_and_its_data(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    shutil.copytree(workflow.ROOT / "src" / "slmsql", root / "src" / "slmsql",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("data_checks", "model_card"):
+        shutil.copytree(workflow.ROOT / folder, root / folder)
+    monkeypatch.setattr(workflow, "ROOT", root)
+    monkeypatch.setattr(workflow, "PACKAGE", root / "src" / "slmsql")
+    first = workflow.code_version()
+    assert workflow.code_version() == first
+    (root / "README.md").write_text("not code")  # outside what shapes a result: the same version
+    assert workflow.code_version() == first
+    for changed in ("src/slmsql/rewards.py", "data_checks/rl.json", "model_card/README.md.j2"):
+        path = root / changed
+        path.write_text(path.read_text() + "\n")
+        assert workflow.code_version() != first, changed
+        first = workflow.code_version()
+    assert "trl==" in workflow.dependency_versions()
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "trl" else real(name))
+    assert workflow.code_version() != first  # an upgraded TRL trains differently

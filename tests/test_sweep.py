@@ -1,0 +1,323 @@
+"""slmsql sweep: the grid, the pooled table with Holm's adjustment, and one small real sweep (marked slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+from scipy import stats as scipy_stats
+
+from slmsql import configs, stats
+from slmsql.cli import main as cli
+from slmsql.configs import SweepConfig, Variant
+from slmsql.errors import DataError
+from slmsql.stages import sweep
+
+
+# ---- the grid ------------------------------------------------------------------------------------------
+
+def labels(grid: str) -> list[str]:
+    return [v.label for v in configs.parse_grid(grid)]
+
+
+def test_grid_axes_multiply_and_groups_add_up():
+    got = configs.parse_grid("runs_tier=0.1,0 learning_rate=1e-3,1e-4")
+    assert [v.settings for v in got] == [
+        {"runs_tier": 0.1, "learning_rate": 1e-3}, {"runs_tier": 0.1, "learning_rate": 1e-4},
+        {"runs_tier": 0.0, "learning_rate": 1e-3}, {"runs_tier": 0.0, "learning_rate": 1e-4}]
+    # the study's shape: groups add up, `defaults` changes nothing, two fields set together in one variant
+    study = configs.parse_grid("defaults; runs_tier=0 format_tier=0; use_lora=false,true")
+    assert [v.settings for v in study] == [{}, {"runs_tier": 0.0, "format_tier": 0.0}, {"use_lora": False},
+                                           {"use_lora": True}]
+    assert [v.label for v in study] == ["defaults", "runs_tier=0.0 format_tier=0.0", "use_lora=false",
+                                        "use_lora=true"]
+    assert configs.parse_grid("") == [Variant("defaults", {})]  # seeds alone: the GRPO config as it is
+
+
+def test_grid_list_fields_and_trainer_args():
+    got = configs.parse_grid("rewards=execution+format,execution trainer_args.loss_type=dapo")
+    assert [v.settings for v in got] == [{"rewards": ["execution", "format"], "trainer_args": {"loss_type": "dapo"}},
+                                         {"rewards": ["execution"], "trainer_args": {"loss_type": "dapo"}}]
+    assert labels("reward_weights=1+0.5") == ["reward_weights=1.0+0.5"]
+
+
+@pytest.mark.parametrize("grid, match", [
+    ("runs_teir=0.1,0", r"--grid: field 'runs_teir': no such GRPO option; known: \[.*'runs_tier'"),
+    ("runs_tier=0.1,lots", r"--grid: field 'runs_tier': expected float, got 'lots'"),
+    ("max_steps=2.5", r"field 'max_steps': expected int"),
+    ("adapter_mode=merge", r"field 'adapter_mode': must be one of \['continue', 'stack'\]"),
+    ("use_lora=maybe", r"field 'use_lora': expected bool"),
+    ("seed=1,2", r"field 'seed': set by --seeds"),
+    ("data=a.jsonl", r"field 'data': set by --data"),
+    ("trainer_args=loss_type=dapo", r"field 'trainer_args': vary one TRL field at a time"),
+    ("runs_tier=0.1,0.1", r"field 'runs_tier': a value is given twice"),
+    ("runs_tier=0 runs_tier=1", r"field 'runs_tier': axis given twice"),
+    ("runs_tier=", r"field 'runs_tier': no values"),
+    ("runs_tier", r"expected FIELD=v1,v2"),
+    ("defaults;;runs_tier=0", r"empty variant group"),
+    ("runs_tier=0; runs_tier=0.0", r"variant\(s\) \['runs_tier=0.0'\] given more than once"),
+])
+def test_bad_grid_names_the_field(grid, match):
+    with pytest.raises(DataError, match=match):
+        configs.parse_grid(grid)
+    with pytest.raises(DataError, match=match):  # the config refuses it as it is built
+        SweepConfig(grid=grid)
+
+
+def test_cli_bad_grid_exits_before_any_run(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["sweep", "--grid", "runs_teir=0.1", "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "error: --grid: field 'runs_teir': no such GRPO option" in result.output
+    assert not (tmp_path / "out").exists()
+    assert mlflow.MlflowClient().get_experiment_by_name("slmsql") is None
+
+
+def test_plan_refuses_what_would_not_run_as_asked(tmp_path):
+    (tmp_path / "dbs").mkdir()
+    rl = write(tmp_path / "rl.jsonl", [])
+    dev = write(tmp_path / "dev.jsonl", [])
+    base = dict(data=str(rl), db_root=str(tmp_path / "dbs"), eval_data=[str(dev)], model="m")
+    sweep.plan(SweepConfig(**base))  # the good case plans
+    cases = [
+        (dict(grid="defaults; runs_tier=0.1"), "variants 'defaults' and 'runs_tier=0.1' are the same GRPO config"),
+        (dict(grid="runs_tier=0,0.1", overrides={"grpo.runs_tier": 0.3}), "field 'grpo.runs_tier': also an axis"),
+        (dict(overrides={"grpo.seed": 3}), "field 'grpo.seed': set by --seeds"),
+        (dict(overrides={"evaluate.adapter": "x"}), "field 'evaluate.adapter': set by the sweep"),
+        (dict(overrides={"filter.k": 4}), "field 'filter.k': expected grpo.FIELD or evaluate.FIELD"),
+        (dict(overrides={"grpo.lerning_rate": 1}), "field 'grpo.lerning_rate'"),
+        (dict(eval_names=["a", "b"]), "field 'eval_names': 2 given for 1 eval files"),
+        (dict(baseline_runs=["r1", "r2"]), "field 'baseline_runs': 2 given for 1 eval files"),
+        (dict(eval_data=[str(dev), str(dev)]), "eval set names must differ"),
+        (dict(eval_data=[str(tmp_path / "nope.jsonl")]), "nope.jsonl: field 'eval_data': no such file"),
+        (dict(base_adapter=str(tmp_path / "no-adapter")), "no such adapter folder"),
+    ]
+    for change, match in cases:
+        with pytest.raises(Exception, match=match):
+            sweep.plan(SweepConfig(**{**base, **change}))
+    with pytest.raises(Exception, match="adapter_mode=stack with --base-adapter"):
+        (tmp_path / "adapter").mkdir()
+        sweep.plan(SweepConfig(**base, base_adapter=str(tmp_path / "adapter"), grid="adapter_mode=continue,stack"))
+
+
+def test_plan_resolves_recipe_overrides_and_grid(tmp_path):
+    (tmp_path / "dbs").mkdir()
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("learning_rate: 1.0e-5\nmax_steps: 7\nruns_tier: 0.3\ntrainer_args: {warmup_ratio: 0.1}\n")
+    cfg = SweepConfig(data=str(write(tmp_path / "rl.jsonl", [])), db_root=str(tmp_path / "dbs"), model="m",
+                      eval_data=[str(write(tmp_path / "dev.jsonl", []))], grpo_recipe=str(recipe),
+                      grid="defaults; runs_tier=0.1 trainer_args.loss_type=dapo",
+                      overrides={"grpo.max_steps": 2, "evaluate.batch_size": 4})
+    p = sweep.plan(cfg)
+    plain, varied = p.grpo["defaults"], p.grpo["runs_tier=0.1 trainer_args.loss_type=dapo"]
+    assert (plain.learning_rate, plain.max_steps, plain.runs_tier) == (1e-5, 2, 0.3)  # recipe < overrides
+    assert varied.runs_tier == 0.1  # a grid value equal to the field's default still beats the recipe
+    assert varied.trainer_args == {"warmup_ratio": 0.1, "loss_type": "dapo"}
+    assert p.evaluate.batch_size == 4 and [e.name for e in p.eval_sets] == ["dev"] and p.seeds == [0, 1, 2]
+    assert plain.data == str((tmp_path / "rl.jsonl").resolve())  # steps run in the project folder
+
+
+# ---- the pooled table and Holm's adjustment ------------------------------------------------------------
+
+def test_holm_textbook_example():
+    # Holm (1979) as in the standard worked example: p = 0.01, 0.04, 0.03, 0.005 at alpha 0.05. Ascending:
+    # 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> 0.06 (adjusted p never decreases).
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm([0.5, 0.6]) == [1.0, 1.0]  # capped at 1
+    assert stats.holm([]) == []
+    with pytest.raises(stats.StatsError):
+        stats.holm([0.2, math.nan])
+
+
+def reference_holm(p: list[float]) -> list[float]:
+    """Holm's step-down adjustment written out, to check the table against."""
+    order = sorted(range(len(p)), key=lambda i: p[i])
+    out, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_report_pools_seeds_and_adjusts_over_the_table():
+    rng = np.random.default_rng(1)
+    n, ids = 60, [f"q{i}" for i in range(60)]
+    baseline = {"dev": rng.random(n) < 0.4, "cross": rng.random(n) < 0.3}
+    # variant "up": each seed flips many wrong answers right; "same": a seed's noise around the baseline
+    shift = {"up": 0.45, "same": 0.05}
+    plan = sweep.Plan([Variant("up", {"runs_tier": 0.0}), Variant("same", {})], {}, None,
+                      [sweep.EvalSet("dev", "", ""), sweep.EvalSet("cross", "", "")], [0, 1, 2])
+    correct = {f"base-{e}": dict(zip(ids, map(bool, b))) for e, b in baseline.items()}
+    cells, runs = [], {}
+    for v in ("up", "same"):
+        for seed in plan.seeds:
+            evals = {}
+            for e, b in baseline.items():
+                flip = rng.random(n) < shift[v]
+                got = np.where(flip, ~b if v == "same" else True, b)
+                runs[(v, e, seed)] = got
+                evals[e] = f"{v}-{e}-{seed}"
+                correct[evals[e]] = dict(zip(ids, map(bool, got)))
+            cells.append({"variant": v, "seed": seed, "grpo_run": f"g-{v}-{seed}", "eval_runs": evals,
+                          "baseline_runs": {e: f"base-{e}" for e in baseline}, "reused": False})
+    rep = sweep.report(plan, cells, correct, alpha=0.05)
+    assert [(r["variant"], r["eval_set"]) for r in rep["rows"]] == [
+        ("up", "dev"), ("up", "cross"), ("same", "dev"), ("same", "cross")]
+    for r in rep["rows"]:
+        seeds = [runs[(r["variant"], r["eval_set"], s)] for s in plan.seeds]
+        ex = [float(np.mean(x)) for x in seeds]
+        d = np.mean(seeds, axis=0) - baseline[r["eval_set"]]
+        assert r["ex_seeds"] == pytest.approx(ex) and r["ex_mean"] == pytest.approx(np.mean(ex))
+        assert r["ex_sd"] == pytest.approx(np.std(ex, ddof=1)) and (r["ex_min"], r["ex_max"]) == (min(ex), max(ex))
+        assert r["diff"] == pytest.approx(d.mean())
+        assert r["p"] == pytest.approx(scipy_stats.ttest_1samp(d, 0).pvalue)  # per question, seeds pooled
+    p_raw = [r["p"] for r in rep["rows"]]
+    assert [r["p_holm"] for r in rep["rows"]] == pytest.approx(reference_holm(p_raw))
+    assert rep["comparisons"] == 4
+    for r in rep["rows"]:
+        assert r["verdict"] == ("no significant difference" if r["p_holm"] >= 0.05 else
+                                "improved" if r["diff"] > 0 else "regressed")
+    assert [r["verdict"] for r in rep["rows"]][:2] == ["improved", "improved"]
+    # significant alone (p 0.033, its own interval above 0), not after trying 4 comparisons (Holm p 0.065)
+    same_cross = rep["rows"][3]
+    assert same_cross["p"] < 0.05 <= same_cross["p_holm"] and same_cross["diff_ci_low"] > 0
+    assert same_cross["verdict"] == "no significant difference"
+    # the table logged to MLflow: one row per variant, one column group per eval set
+    table = sweep.wide_table(rep)
+    assert list(table["variant"]) == ["up", "same"]
+    assert list(table.columns) == ["variant", "seeds"] + [f"{e}/{k}" for e in ("dev", "cross") for k in sweep.ROW_KEYS]
+    md = sweep.markdown(rep)
+    assert "| up | " in md and "**dev** (n = 60" in md and "Holm over all 4 comparisons" in md
+    json.dumps(rep, allow_nan=False)  # valid JSON
+
+
+def test_report_of_one_seed_has_no_sd():
+    plan = sweep.Plan([Variant("defaults", {})], {}, None, [sweep.EvalSet("dev", "", "")], [0])
+    correct = {"b": {"q1": True, "q2": False, "q3": False}, "e": {"q1": True, "q2": True, "q3": False}}
+    cells = [{"variant": "defaults", "seed": 0, "grpo_run": "g", "eval_runs": {"dev": "e"},
+              "baseline_runs": {"dev": "b"}, "reused": False}]
+    rep = sweep.report(plan, cells, correct, 0.05)
+    [row] = rep["rows"]
+    assert row["ex_sd"] is None and row["ex_mean"] == pytest.approx(2 / 3) and row["seeds"] == 1
+    # every question moved alike: the t statistic is infinite, written as null (JSON has no inf)
+    correct["e"] = {"q1": True, "q2": True, "q3": True}
+    correct["b"] = {"q1": False, "q2": False, "q3": False}
+    [row] = sweep.report(plan, cells, correct, 0.05)["rows"]
+    assert row["t"] is None and row["p"] == 0 and row["verdict"] == "improved"
+    json.dumps(rep, allow_nan=False)
+
+
+
+# ---- one small real sweep: 2 variants x 2 seeds, 2 GRPO steps each, a 12-question dev slice ----------------
+
+SMALL = ("grpo.max_steps=2 grpo.num_generations=4 grpo.per_device_train_batch_size=8 grpo.max_completion_length=32 "
+         "grpo.save_steps=2 grpo.completions_every=2 grpo.workers=1 grpo.lora_r=8 grpo.lora_alpha=16 "
+         "evaluate.workers=1 evaluate.max_new_tokens=48")
+
+
+def _args(policy, root: Path) -> list[str]:
+    return ["sweep", "--grid", "runs_tier=0.1,0", "--seeds", "2", "--model", str(policy.model),
+            "--data", str(root / "band.jsonl"), "--db-root", str(policy.db_root),
+            "--eval-data", str(root / "dev-slice.jsonl"), "--eval-names", "dev-slice", "--output-dir",
+            str(root / "out"), "--overrides", SMALL]
+
+
+@pytest.fixture(scope="module")
+def small_sweep(policy, tmp_path_factory):
+    import mlflow
+
+    from slmsql.stages import sweep as stage
+
+    root = tmp_path_factory.mktemp("sweep")
+    write(root / "band.jsonl", [{**r, "pass_rate": 0.5} for r in read(policy.train)[:8]])
+    write(root / "dev-slice.jsonl", read(policy.dev)[:12])
+    uri = f"sqlite:///{root}/mlflow.db"
+    cwd = os.getcwd()
+    os.chdir(root)  # the store's artifact root (./mlruns) lands here, not in the repository
+    try:
+        with tracking_store(uri):
+            cfg = configs.load(SweepConfig, None, dict(zip(
+                ["grid", "seeds", "model", "data", "db_root", "eval_data", "eval_names", "output_dir",
+                 "overrides"], _args(policy, root)[2::2])))
+            report = stage.main(cfg)
+            parent = mlflow.search_runs(experiment_names=["slmsql"], filter_string="tags.`slmsql.stage` = 'sweep'",
+                                        output_format="list")[0]
+    finally:
+        os.chdir(cwd)
+    return {"root": root, "uri": uri, "report": report, "parent": parent}
+
+
+def _runs(uri):
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    return client, client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+
+
+@pytest.mark.slow
+def test_small_sweep_table_has_one_row_per_variant(small_sweep):
+    import mlflow
+
+    parent, uri = small_sweep["parent"], small_sweep["uri"]
+    with tracking_store(uri):
+        table = mlflow.load_table("sweep_table.json", run_ids=[parent.info.run_id])
+    assert list(table["variant"]) == ["runs_tier=0.1", "runs_tier=0.0"]
+    assert list(table.columns) == ["variant", "seeds"] + [f"dev-slice/{k}" for k in sweep.ROW_KEYS]
+    assert set(table["dev-slice/verdict"]) <= {"improved", "regressed", "no significant difference"}
+    assert (table["seeds"] == 2).all()
+    rep = small_sweep["report"]
+    for row in rep["rows"]:
+        assert len(row["ex_seeds"]) == 2 and row["ex_min"] <= row["ex_mean"] <= row["ex_max"]
+        assert row["n"] == 12
+    out = small_sweep["root"] / "out" / "report"
+    assert json.loads((out / "sweep.json").read_text())["rows"] == json.loads(json.dumps(rep["rows"]))
+    assert "| runs_tier=0.1 |" in (out / "sweep.md").read_text()
+    client, _ = _runs(uri)
+    assert {"forest.png", "sweep_table.json", "report"} <= {f.path for f in client.list_artifacts(parent.info.run_id)}
+
+
+@pytest.mark.slow
+def test_small_sweep_cells_are_tagged_children_with_the_same_metric_names(small_sweep):
+    parent, uri = small_sweep["parent"], small_sweep["uri"]
+    client, runs = _runs(uri)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    by_stage = {}
+    for r in children:
+        assert r.info.status == "FINISHED"
+        by_stage.setdefault(r.data.tags["slmsql.stage"], []).append(r)
+    assert {k: len(v) for k, v in by_stage.items()} == {"grpo": 4, "evaluate": 5}  # + the baseline evaluation
+    cells = {(r.data.tags["slmsql.variant"], r.data.tags["slmsql.seed"]) for r in by_stage["grpo"]}
+    assert cells == {(v, s) for v in ("runs_tier=0.1", "runs_tier=0.0") for s in ("0", "1")}
+    assert len({frozenset(r.data.metrics) for r in by_stage["grpo"]}) == 1  # the compare view lines them up
+    evals = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] != "baseline"]
+    assert len({frozenset(r.data.metrics) for r in evals}) == 1 and "vs_baseline_mcnemar_p" in evals[0].data.metrics
+    [base] = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] == "baseline"]
+    assert {r.data.tags["slmsql.baseline_run"] for r in evals} == {base.info.run_id}
+    assert {r.data.params["runs_tier"] for r in by_stage["grpo"]} == {"0.1", "0.0"}
+    assert {r.data.params["seed"] for r in by_stage["grpo"]} == {"0", "1"}
+
+
+@pytest.mark.slow
+def test_rerun_reuses_every_cell(small_sweep, policy):
+    """Through the CLI, as a user reruns it: every step is found finished, nothing trains again."""
+    root, uri = small_sweep["root"], small_sweep["uri"]
+    _, before = _runs(uri)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PATH": f"{sys.prefix}/bin:{os.environ['PATH']}"}
+    again = subprocess.run([sys.executable, "-m", "slmsql.cli", *_args(policy, root)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.count("reused run") == 9 and "running ..." not in again.stderr
+    client, after = _runs(uri)
+    new = [r for r in after if r.info.run_id not in {b.info.run_id for b in before}]
+    assert [r.data.tags["slmsql.stage"] for r in new] == ["sweep"]  # only the new parent
+    assert new[0].data.metrics["cells_reused"] == new[0].data.metrics["cells"] == 4
+    assert "| runs_tier=0.0 |" in again.stdout  # the table, printed
