@@ -96,3 +96,13 @@ class Staged:
     def _failed(self) -> None:
         if not self.resumable and distributed.is_main():
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def link_or_copy(src, dst, *, follow_symlinks=True):
+    """shutil.copytree's copy_function for model weights: a hard link where the file system allows (a base model
+    can be gigabytes), else a copy. Replace a linked file (unlink, then write), never write through it."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=follow_symlinks)
+    return dst

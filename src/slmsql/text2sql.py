@@ -32,6 +32,7 @@ import mlflow.pyfunc
 import pandas as pd
 
 from .errors import SlmsqlError
+from .outputs import link_or_copy
 
 log = logging.getLogger(__name__)
 NAME = "text2sql"  # the logged model's name
@@ -151,17 +152,6 @@ def stage_base(base: Path, name: str, dst: Path) -> Path:
     out = dst / name
     shutil.copytree(base, out, copy_function=link_or_copy)
     return out
-
-
-def link_or_copy(src, dst, *, follow_symlinks=True):
-    """A hard link where the file system allows (a base can be gigabytes), else a copy."""
-    import os
-
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst, follow_symlinks=follow_symlinks)
-    return dst
 
 
 def fingerprint(model_config: dict, commits: dict) -> str:

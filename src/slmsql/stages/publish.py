@@ -34,7 +34,7 @@ from ..configs import PublishConfig
 from ..data import write_json
 from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
-from ..outputs import Staged
+from ..outputs import Staged, link_or_copy
 from ..registry import register, registry_name
 
 log = logging.getLogger(__name__)
@@ -181,13 +181,13 @@ def check_card(text: str, data, required=REQUIRED, library: str = "peft") -> Non
 
 def write_folder(work: Path, cfg: PublishConfig, runs: cards.Runs, adapter: Path, card: str, base_card: str | None):
     """OUT/: the adapter files and their card; with a local base, OUT/base/: its files and its own card."""
-    from ..text2sql import link_or_copy
-
     shutil.copytree(adapter, work, dirs_exist_ok=True)
     (work / "README.md").write_text(card, encoding="utf-8")  # replaces PEFT's placeholder card
     if runs.base is not None:
-        config = json.loads((work / "adapter_config.json").read_text())
-        write_json(work / "adapter_config.json", {**config, "base_model_name_or_path": cfg.base_repo})
+        # the adapter and, for a stacked one, the adapters in base_adapter/ beneath it: all on the pushed base
+        for file in sorted(work.rglob("adapter_config.json")):
+            config = json.loads(file.read_text())
+            write_json(file, {**config, "base_model_name_or_path": cfg.base_repo})
         shutil.copytree(runs.base.path, work / "base", copy_function=link_or_copy)
         (work / "base" / "README.md").unlink(missing_ok=True)  # a link: writing through it would edit the source
         (work / "base" / "README.md").write_text(base_card, encoding="utf-8")
