@@ -43,19 +43,19 @@ class Work:
 
         return models.load_model(self.cfg.model, self.cfg.adapter or None)
 
-    def generate(self, examples: list[Example], policy) -> dict[str, object]:
+    def generate(self, examples: list[Example], policy, progress: bool = True) -> dict[str, object]:
         """id -> payload. The filter skips questions whose database is missing (scored as errors)."""
         from . import generation
         from .data import db_path
 
         cfg = self.cfg
         if self.stage == "evaluate":
-            return generation.predict(cfg, examples, policy)
+            return generation.predict(cfg, examples, policy, progress=progress)
         have_db = [e for e in examples if db_path(cfg.db_root, e.db_id).is_file()]
         if not have_db:
             return {}
         return dict(zip([e.id for e in have_db], generation.complete(
-            cfg, have_db, policy, k=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p)))
+            cfg, have_db, policy, k=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, progress=progress)))
 
     def score(self, examples: list[Example], payloads: dict[str, object], pool) -> list[dict]:
         cfg = self.cfg
@@ -161,12 +161,14 @@ class _Generate:
 
     def __call__(self, batch: dict) -> dict:
         examples = [example_from_json(x) for x in batch["example"]]
-        got = self.work.generate(examples, self.policy)
+        got = self.work.generate(examples, self.policy, progress=False)
         return {**batch, "payload": [dumps(got.get(e.id)) if e.id in got else "" for e in examples]}
 
 
 class _Score:
-    """A Ray Data actor holding its own sandbox pool (limits unchanged); returns one row per question."""
+    """A Ray Data actor holding its own sandbox pool (limits unchanged); returns one row per question.
+    The pool's processes are the actor's children: Ray kills them with it (kill_child_processes_on_worker_exit),
+    whether the actor finishes or dies."""
 
     def __init__(self, work: Work, workers: int):
         from .sandbox import SandboxPool
@@ -181,11 +183,6 @@ class _Score:
         payloads = {e.id: json.loads(p) for e, p in zip(examples, batch["payload"]) if p}
         rows = self.work.score(examples, payloads, self.pool)
         return {"idx": batch["idx"], "payload": batch["payload"], "row": [dumps(r) for r in rows]}
-
-    def __del__(self):
-        pool = getattr(self, "pool", None)
-        if pool is not None:
-            pool.close()
 
 
 def _run_ray(work: Work, examples, on_rows, payloads):

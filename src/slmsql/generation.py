@@ -182,7 +182,7 @@ def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
 
 
 def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
+             top_p: float = 1.0, seed: int | None = None, progress: bool = True) -> list[list[str]]:
     """K completions per example, in example order, with the config's prompt, batch and length settings.
     Samples are keyed by question id: a question's completions do not depend on the other examples."""
     model, tokenizer = model_and_tokenizer
@@ -190,13 +190,13 @@ def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, t
     return generate(model, tokenizer, prompts, num_return_sequences=k, temperature=temperature, top_p=top_p,
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                     seed=cfg.seed if seed is None else seed, backend=cfg.backend,
-                    keys=[e.id for e in examples])
+                    keys=[e.id for e in examples], progress=progress)
 
 
-def predict(cfg, examples: list[Example], model_and_tokenizer) -> dict[str, dict]:
+def predict(cfg, examples: list[Example], model_and_tokenizer, *, progress: bool = True) -> dict[str, dict]:
     """Greedy predictions keyed by id: the raw completion and the SQL extracted from it."""
     preds = {}
-    for ex, (completion,) in zip(examples, complete(cfg, examples, model_and_tokenizer)):
+    for ex, (completion,) in zip(examples, complete(cfg, examples, model_and_tokenizer, progress=progress)):
         sql, how = extract_sql(completion)
         preds[ex.id] = {"completion": completion, "sql": sql, "extracted_by": how}
     return preds
