@@ -20,6 +20,7 @@ import re
 import resource
 import signal
 import sqlite3
+import sys
 import threading
 import time
 import urllib.parse
@@ -196,7 +197,24 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _init_worker(limits: Limits, slots, counter, runner):
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its parent, the pool's forkserver, dies (the
+    forkserver exits when the process owning the pool dies). A pool worker holds both ends of its task
+    queue, so it never sees EOF: when that process is killed (a Ray actor killed with its driver), its
+    workers would otherwise wait forever, holding databases open. Only under forkserver: the signal follows
+    the forking *thread*, which for the other start methods may be a short-lived one of the pool's owner."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _init_worker(limits: Limits, slots, counter, runner, forkserver: bool = False):
+    if forkserver:
+        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
@@ -275,7 +293,8 @@ class SandboxPool:
             counter = self._ctx.Value("i", 0)
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=self._ctx, initializer=_init_worker,
-                initargs=(self.limits, self._slots, counter, self._runner))
+                initargs=(self.limits, self._slots, counter, self._runner,
+                          self._ctx.get_start_method() == "forkserver"))
         return self._pool
 
     def _restart(self):
