@@ -1,8 +1,9 @@
 """The Ray engine (`--engine ray`, slmsql.engines) on real Ray, against the local engine on the same toy questions.
 
 - a real cluster: `ray start --head` on loopback as its own process, `mlflow run . -e filter` joins it with
-  `--ray-address`, then the cluster is stopped and no process of it is left;
-- filter and evaluate on an in-process local Ray give the local engine's files, metrics and data check;
+  `--ray-address` and writes the local engine's files, metrics and data check; then the cluster is stopped
+  and no process of it is left;
+- evaluate on an in-process local Ray gives the local engine's predictions, results and metrics;
 - faults: actor processes SIGKILLed mid-run are restarted by Ray and no question is lost or counted twice;
   a driver SIGKILLed mid-run resumes from the questions it had finished, in the same MLflow run.
 
@@ -145,9 +146,11 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         assert done.returncode == 0, done.stderr[-4000:]
         assert f"Connecting to existing Ray cluster at address: 127.0.0.1:{port}" in done.stderr
         same_outputs(tmp_path / "out", ref)
-        _, run = the_run()
+        client, run = the_run()
         assert run.info.status == "FINISHED" and run.data.params["engine"] == "ray"
-        assert run.data.metrics == ref_metrics
+        assert run.data.metrics == ref_metrics and ref_metrics["data_check_success"] == 1.0
+        assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= {
+            f.path for f in client.list_artifacts(run.info.run_id)}
         # the cluster listens on loopback only
         listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for p in session_processes(head.pid)
                      for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
@@ -176,18 +179,6 @@ def local_ray():
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_filter_on_ray_gives_the_local_engines_results(policy, reference, local_ray, tmp_path):
-    data, ref, ref_metrics = reference
-    summary = run_filter(policy, data, tmp_path / "out", **RAY_OPTS)
-    same_outputs(tmp_path / "out", ref)
-    assert summary == json.loads((ref / "summary.json").read_text())
-    client, run = the_run()
-    assert run.info.status == "FINISHED" and run.data.params["engine"] == "ray"
-    assert run.data.metrics == ref_metrics and ref_metrics["data_check_success"] == 1.0
-    assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= {
-        f.path for f in client.list_artifacts(run.info.run_id)}
-
-
 def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_path):
     def run(out, **over):
         return evaluate.main(configs.load(configs.EvaluateConfig, None, {
@@ -197,7 +188,8 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     local = run(tmp_path / "local")
     on_ray = run(tmp_path / "ray", **RAY_OPTS)
     assert 0 < local["ex"] < 1 and on_ray == local  # EX, interval, per-difficulty, status rates
-    assert (tmp_path / "ray" / "predictions.jsonl").read_text() == (tmp_path / "local" / "predictions.jsonl").read_text()
+    predictions = [(tmp_path / d / "predictions.jsonl").read_text() for d in ("local", "ray")]
+    assert predictions[0] == predictions[1]
     untimed = [[{k: v for k, v in r.items() if k != "pred_ms"} for r in read(tmp_path / d / "results.jsonl")]
                for d in ("local", "ray")]
     assert untimed[0] == untimed[1] and len(untimed[0]) == 30

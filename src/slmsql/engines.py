@@ -19,15 +19,12 @@ arrive (`on_rows`), which is what lets a killed driver resume from the questions
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 from .data import Example, dumps, example_from_json
 from .errors import SlmsqlError
-
-log = logging.getLogger(__name__)
 
 # (example, payload, row): payload is what scoring judged (filter: the K completions; evaluate: the prediction)
 Item = tuple[Example, object, dict]
@@ -146,7 +143,7 @@ def connect(address: str = "") -> bool:
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address)
     else:
         ray.init(include_dashboard=False)
     return True
@@ -167,8 +164,8 @@ class _Generate:
 
 class _Score:
     """A Ray Data actor holding its own sandbox pool (limits unchanged); returns one row per question.
-    The pool's processes are the actor's children: Ray kills them with it (kill_child_processes_on_worker_exit),
-    whether the actor finishes or dies."""
+    The pool's workers die with the actor however it ends (its forkserver exits with it, and sandbox workers
+    are SIGKILLed when their forkserver dies: `sandbox._die_with_parent`)."""
 
     def __init__(self, work: Work, workers: int):
         from .sandbox import SandboxPool
@@ -194,8 +191,8 @@ def _run_ray(work: Work, examples, on_rows, payloads):
     cfg = work.cfg
     started = connect(cfg.ray_address)
     try:
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False  # the driver's own bar counts questions
+        ray.data.DataContext.get_current().enable_progress_bars = False  # the driver's own bar counts questions
+        # Rows carry JSON text (data.dumps: lone surrogates escaped), which Arrow stores as it is.
         items = [{"idx": i, "example": dumps(e.to_json()),
                   "payload": "" if payloads is None or payloads.get(e.id) is None else dumps(payloads[e.id])}
                  for i, e in enumerate(examples)]
@@ -207,8 +204,9 @@ def _run_ray(work: Work, examples, on_rows, payloads):
                 _Generate, fn_constructor_kwargs={"work": work}, batch_size=cfg.batch_size,
                 compute=ActorPoolStrategy(size=cfg.ray_generators), num_cpus=cfg.ray_cpus_per_generator,
                 num_gpus=cfg.ray_gpus_per_generator or None)
+        sandbox_workers = cfg.workers or max(1, round(cfg.ray_cpus_per_scorer))
         ds = ds.map_batches(
-            _Score, fn_constructor_kwargs={"work": work, "workers": cfg.workers or max(1, round(cfg.ray_cpus_per_scorer))},
+            _Score, fn_constructor_kwargs={"work": work, "workers": sandbox_workers},
             batch_size=cfg.ray_score_batch, compute=ActorPoolStrategy(size=cfg.ray_scorers),
             num_cpus=cfg.ray_cpus_per_scorer)
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
