@@ -164,8 +164,8 @@ class _Generate:
 
 class _Score:
     """A Ray Data actor holding its own sandbox pool (limits unchanged); returns one row per question.
-    The pool's workers die with the actor however it ends (its forkserver exits with it, and sandbox workers
-    are SIGKILLed when their forkserver dies: `sandbox._die_with_parent`)."""
+    The pool's workers end with the actor however it ends: each watches its pool's owner
+    (`sandbox._exit_with_owner`)."""
 
     def __init__(self, work: Work, workers: int):
         from .sandbox import SandboxPool

@@ -20,7 +20,6 @@ import re
 import resource
 import signal
 import sqlite3
-import sys
 import threading
 import time
 import urllib.parse
@@ -197,24 +196,40 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this worker when its parent, the pool's forkserver, dies (the
-    forkserver exits when the process owning the pool dies). A pool worker holds both ends of its task
-    queue, so it never sees EOF: when that process is killed (a Ray actor killed with its driver), its
-    workers would otherwise wait forever, holding databases open. Only under forkserver: the signal follows
-    the forking *thread*, which for the other start methods may be a short-lived one of the pool's owner."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+def _proc_start(pid: int) -> bytes | None:
+    """The process's start time (Linux /proc), None once it is gone or a zombie; elsewhere b"" while alive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] in (b"Z", b"X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: only whether the pid exists
+        try:
+            os.kill(pid, 0)
+            return b""
+        except ProcessLookupError:
+            return None
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before prctl took effect
+
+def _exit_with_owner(owner: int) -> None:
+    """End this worker once the process that owns the pool is gone (or a zombie). A worker holds both ends of
+    its task queue and (under forkserver) keeps the forkserver alive, so nothing else would ever stop it: a
+    `kill -9`d stage or a Ray actor killed with its driver would leave its workers behind for good, holding
+    databases open. A daemon thread checks once a second (the start time guards against a reused pid)."""
+    born = _proc_start(owner)
+
+    def watch():
+        while _proc_start(owner) == born and born is not None:
+            time.sleep(1.0)
         os._exit(1)
 
+    threading.Thread(target=watch, name="slmsql-owner-watch", daemon=True).start()
 
-def _init_worker(limits: Limits, slots, counter, runner, forkserver: bool = False):
-    if forkserver:
-        _die_with_parent()
+
+def _init_worker(limits: Limits, slots, counter, runner, owner: int | None = None):
+    if owner is not None:
+        _exit_with_owner(owner)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
@@ -293,8 +308,7 @@ class SandboxPool:
             counter = self._ctx.Value("i", 0)
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=self._ctx, initializer=_init_worker,
-                initargs=(self.limits, self._slots, counter, self._runner,
-                          self._ctx.get_start_method() == "forkserver"))
+                initargs=(self.limits, self._slots, counter, self._runner, os.getpid()))
         return self._pool
 
     def _restart(self):
