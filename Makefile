@@ -2,6 +2,8 @@
 VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+# optional extras to install (.ci/run: `make test EXTRAS=test,ray`)
+EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
 .PHONY: install demo study score-example test test-fast server bench clean
@@ -11,7 +13,7 @@ $(BIN)/slmsql: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, from the pinned CPU/CUDA-agnostic wheel, so nothing pulls a multi-GB CUDA build
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(BIN)/slmsql

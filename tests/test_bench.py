@@ -74,3 +74,14 @@ def test_grpo_bench_full_shape_is_qwen25_coder_15b():
     tok = bench.word_tokenizer(bench.SHAPES["tiny"]["vocab_size"])
     prompts = bench.make_prompts(3, 17, len(tok), seed=1)
     assert [len(ids) for ids in tok(prompts)["input_ids"]] == [17, 17, 17]
+
+
+def test_filter_scale_bench_local_arm():
+    """The local arm only: the Ray arms run the engine tests/test_ray.py covers, and cost a Ray start."""
+    fig = run_bench("filter_scale.py", "--n", "4", "--k", "2", "--max-new-tokens", "4", "--arms", "local")
+    assert fig["identical_outputs"] is True and set(fig["arms"]) == {"local"}
+    assert (fig["n"], fig["k"], fig["samples"]) == (4, 2, 8) and sum(fig["sample_statuses"].values()) == 8
+    local = fig["arms"]["local"]
+    assert local["seconds"] > 0 and local["ratio_to_local"] == 1.0
+    assert local["samples_scored_per_s"] == pytest.approx(2 * local["questions_per_s"], rel=0.01)
+    assert fig["local_split"]["generate_s"] > 0 and fig["ray_init_s"] is None

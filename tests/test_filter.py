@@ -170,6 +170,18 @@ def test_filter_mlflow_run(filtered):
     assert json.loads(inp.dataset.profile)["num_rows"] == b["band"]
 
 
+def test_pass_rates_do_not_depend_on_chunks_or_batches(policy, filtered, tmp_path, monkeypatch):
+    """Samples are seeded by (seed, question id, sample index): rounds of 5 questions generated 3 prompts at a
+    time give every question the same K statuses as rounds of 32 at 16 (the fixture), so the same rows,
+    pass rates and buckets. (Ray's shards are one more partitioning: tests/test_ray.py.)"""
+    out, data, _, _ = filtered
+    monkeypatch.setattr(passrate, "CHUNK", 5)
+    passrate.main(filter_cfg(policy, data, tmp_path / "out", batch_size=3))
+    rows = read(tmp_path / "out" / "passrates.jsonl")
+    assert rows == read(out / "passrates.jsonl")
+    assert len({r.get("n_correct") for r in rows}) >= 3  # a spread of pass rates, not all 0/4
+
+
 # ---- resume after kill -9 -------------------------------------------------------------------------------
 
 def _lines(path: Path) -> int:

@@ -196,6 +196,43 @@ def test_sampling_k_per_prompt_in_order_and_seeded(loaded):
     assert generate(model, tok, PROMPTS[::-1], seed=7, **kw) == first[::-1]
 
 
+def test_a_sample_depends_on_its_key_not_its_batch(loaded):
+    """Engine independence: prompt j's samples are the same alone, in any batch size, among other prompts,
+    and under another key they differ (so keys, not positions, decide)."""
+    model, tok = loaded
+    kw = dict(num_return_sequences=3, temperature=1.0, max_new_tokens=8, seed=5, progress=False)
+    keys = ["q1", "q2", "q3", "q4"]
+    whole = generate(model, tok, PROMPTS, batch_size=4, keys=keys, **kw)
+    assert whole == generate(model, tok, PROMPTS, batch_size=1, keys=keys, **kw)
+    assert whole[2:] == generate(model, tok, PROMPTS[2:], batch_size=3, keys=keys[2:], **kw)
+    assert [whole[1]] == generate(model, tok, [PROMPTS[1]], keys=["q2"], **kw)
+    assert [whole[1]] != generate(model, tok, [PROMPTS[1]], keys=["q9"], **kw)
+    assert len(set(map(tuple, whole))) > 1 and any(len(set(x)) > 1 for x in whole)  # it does sample
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.7)])
+def test_row_sampler_draws_from_the_warped_distribution(temperature, top_p):
+    """Each row's token follows softmax(logits / T) restricted to the top-p nucleus: a chi-square test of
+    4,000 rows (each its own seed) against the probabilities computed here by hand."""
+    from scipy.stats import chisquare
+
+    from slmsql.generation import _RowSampler, sample_seed
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    p = torch.softmax(logits / temperature, dim=0)
+    keep = torch.cumsum(p, 0) - p < top_p  # sorted descending already: the smallest set holding top_p
+    p = torch.where(keep, p, 0.0)
+    p = p / p.sum()
+    n = 4000
+    sampler = _RowSampler([sample_seed(0, "k", i) for i in range(n)], temperature, top_p)
+    out = sampler(None, logits.repeat(n, 1))
+    assert ((out == 0).sum(dim=1) == 1).all() and torch.isinf(out).sum() == n * 4  # one finite score per row
+    counts = torch.bincount(out.argmax(dim=1), minlength=5)
+    assert (counts[~keep] == 0).all()
+    expected = n * p[keep].double().numpy() / p[keep].double().sum().item()
+    assert chisquare(counts[keep].numpy(), expected).pvalue > 1e-3
+
+
 def test_bad_generation_arguments(loaded):
     model, tok = loaded
     with pytest.raises(SlmsqlError, match="backend"):

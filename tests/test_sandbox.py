@@ -209,3 +209,36 @@ def test_gold_cache(pool, tmp_path):
     assert [r.rows for r in first] == [((10,),), ((9,),)]
     assert again[0] is first[1] and again[1] is first[0]  # served from the cache, not re-run
     assert pool.run([(db, "SELECT count(*) FROM t")])[0].rows == ((0,),)  # run() does not cache
+
+
+def test_pool_workers_die_when_the_pools_owner_is_killed(db, tmp_path):
+    """SIGKILL the process that owns a pool (a Ray actor killed with its driver, a `kill -9`d stage): its
+    workers hold both ends of their task queue (and keep the forkserver alive), so they never see EOF; they
+    must still end, within a few seconds (each watches its owner)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    owner = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+from slmsql.sandbox import SandboxPool
+pool = SandboxPool(2)
+pool.run([({str(db)!r}, "SELECT 1")] * 8)
+print(" ".join(str(p) for p in pool._pool._processes), flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in owner.stdout.readline().split()]
+    assert workers and all(psutil.pid_exists(p) for p in workers)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 20
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for p in alive:  # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"sandbox workers {alive} outlived the pool's owner"

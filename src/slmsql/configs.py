@@ -64,6 +64,32 @@ class Workers:
 
 
 @dataclass
+class Engine:
+    """Where filter and evaluate run their generation and scoring (`engines`): same rows either way."""
+
+    engine: str = opt("local", "local (this process and one sandbox pool) or ray (Ray Data actors for generation "
+                      "and scoring; pip install -e '.[ray]').", choices=("local", "ray"))
+    ray_address: str = opt("", "Ray cluster to join with --engine ray: empty starts a local Ray in this process; "
+                           "auto, HOST:PORT or ray://HOST:PORT joins a running one.")
+    ray_generators: int = opt(1, "Ray: generation actors (each loads the model once).")
+    ray_gpus_per_generator: float = opt(0.0, "Ray: GPUs per generation actor (0: CPU; 1 per GPU; fractions share one).")
+    ray_cpus_per_generator: float = opt(1.0, "Ray: CPUs reserved per generation actor.")
+    ray_scorers: int = opt(1, "Ray: scoring actors, each with its own sandbox pool.")
+    ray_cpus_per_scorer: float = opt(1.0, "Ray: CPUs reserved per scoring actor; its sandbox pool runs --workers "
+                                     "processes (0: this many).")
+    ray_score_batch: int = opt(16, "Ray: questions per scoring batch (generation batches are --batch-size).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("ray_generators", "ray_scorers", "ray_score_batch"):
+            if getattr(self, name) < 1:
+                raise DataError(f"must be >= 1, got {getattr(self, name)}", "config", field=name)
+        for name in ("ray_gpus_per_generator", "ray_cpus_per_generator", "ray_cpus_per_scorer"):
+            if getattr(self, name) < 0:
+                raise DataError(f"must be >= 0, got {getattr(self, name)}", "config", field=name)
+
+
+@dataclass
 class Prompt:
     prompt_style: str = opt("compact", "Schema prompt: compact (one line per table, the tiny model) or omnisql "
                             "(OmniSQL's CREATE TABLE format with example values, for Qwen2.5-Coder).",
@@ -107,7 +133,7 @@ class TinyModelConfig(Prompt, Common):
 
 
 @dataclass
-class EvaluateConfig(Model, Workers, Common):
+class EvaluateConfig(Model, Workers, Engine, Common):
     """Execution accuracy of a model or a predictions file, with intervals and a paired test."""
 
     key_metrics: ClassVar = ("ex", "ex_ci_low", "ex_ci_high", "vs_baseline/diff", "vs_baseline/p")
@@ -151,7 +177,7 @@ class SFTStageConfig(Lora, Prompt, Common):
 
 
 @dataclass
-class FilterConfig(Model, Workers, Common):
+class FilterConfig(Model, Workers, Engine, Common):
     """Sample the policy K times per question and bucket questions by pass rate."""
 
     key_metrics: ClassVar = ("band", "all_fail", "all_pass", "out_of_band", "errors")

@@ -56,6 +56,11 @@ def _from_record(rec, path, line: int | None) -> Example:
                    rec.get("evidence") or None, rec.get("difficulty"), extra)
 
 
+def example_from_json(text: str) -> Example:
+    """The Example whose `to_json()` was written as `text` (a row passed between processes)."""
+    return _from_record(json.loads(text), "<example>", None)
+
+
 def native_record(rec: dict, i: int) -> dict:
     """Map a BIRD (`question_id`, `SQL`) or Spider (`query`) record onto the canonical keys."""
     out = dict(rec)

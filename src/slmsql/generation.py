@@ -5,12 +5,20 @@ Prompts are complete model inputs (chat template already applied), so no special
 Sampling is plain temperature + top-p: the checkpoint's own generation defaults (Qwen instruct checkpoints
 ship top_k=20 and a repetition_penalty above 1; transformers itself defaults to top_k=50) are overridden so
 that results depend only on the arguments here, and match what vLLM's SamplingParams does with them.
+
+Sampled completions depend only on (seed, the prompt's key, the sample's index) and the model: every sample
+draws its random numbers from its own generator (`sample_seed`), never from torch's global one. So any
+partitioning of the questions (chunks, batch sizes, resumed runs, Ray shards on several workers) gives the
+same completions on the same machine. The filter keys prompts by question id.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
 
 from .data import Example
 from .errors import SlmsqlError
@@ -38,6 +46,38 @@ def _check_args(num_return_sequences, temperature, top_p, max_new_tokens, batch_
         raise SlmsqlError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
 
 
+def sample_seed(seed: int, key: str, index: int) -> int:
+    """The seed of sample `index` of the prompt keyed `key`: a stable hash (Python's hash() is salted per
+    process), 63 bits so it fits torch's and vLLM's seeds."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}\x00{index}".encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") >> 1
+
+
+class _RowSampler:
+    """A logits processor that samples each row with its own generator and returns the choice as the only
+    finite score, so transformers' greedy step picks it. Rows are prompt-major (prompt j's samples are rows
+    j*K .. j*K+K-1), one generator per row, one uniform draw per row and step: a row's tokens depend on its
+    own seed and logits only, not on which rows share its batch. Temperature and top-p are transformers' own
+    warpers, so the distribution is what `do_sample=True` would draw from."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]  # CPU: the same draws on any device
+        self.warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids, scores):
+        scores = scores.float()
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)
+        u = torch.cat([torch.rand(1, generator=g) for g in self.generators]).to(cdf.device)
+        # Inverse CDF: the first token whose cumulative probability exceeds u (scaled: cdf[-1] may be 1 - eps).
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).clamp_(max=cdf.shape[1] - 1)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(1, choice, 0.0)
+
+
 def generate(
     model,
     tokenizer,
@@ -51,18 +91,25 @@ def generate(
     seed: int = 0,
     progress: bool = True,
     backend: str = "transformers",
+    keys: list[str] | None = None,
 ) -> list[list[str]]:
     """Return, for each prompt in the given order, `num_return_sequences` decoded completions.
 
-    temperature 0 means greedy (its one completion repeated num_return_sequences times). With the transformers
-    backend, prompts are batched longest first (least padding) and each batch reseeds torch with
-    seed + batch index, so a call's output does not depend on what ran before it (but a sampled completion
-    does depend on which prompts share its batch). vLLM seeds each prompt with seed + its index; there
-    `model` is a `vllm.LLM` or a path / Hub id, and `tokenizer` is unused.
+    temperature 0 means greedy (its one completion repeated num_return_sequences times). Sampled, completion i
+    of a prompt is drawn with `sample_seed(seed, key, i)`, where `keys` name the prompts (the filter passes
+    question ids; default: the prompt text), so it does not depend on the batch, the call, or what ran before.
+    With the transformers backend, prompts are batched longest first (least padding), `batch_size` prompts
+    (x K samples) per batch. vLLM seeds each prompt with `sample_seed(seed, key, 0)`; there `model` is a
+    `vllm.LLM` or a path / Hub id, and `tokenizer` is unused.
     """
     _check_args(num_return_sequences, temperature, top_p, max_new_tokens, batch_size)
+    if keys is None:
+        keys = list(prompts)
+    elif len(keys) != len(prompts):
+        raise SlmsqlError(f"{len(keys)} keys for {len(prompts)} prompts")
     if backend == "vllm":
-        return _generate_vllm(model, prompts, num_return_sequences, temperature, top_p, max_new_tokens, seed, progress)
+        return _generate_vllm(model, prompts, keys, num_return_sequences, temperature, top_p, max_new_tokens, seed,
+                              progress)
     if backend != "transformers":
         raise SlmsqlError(f"unknown generation backend '{backend}' (use transformers or vllm)")
     if not prompts:
@@ -71,29 +118,32 @@ def generate(
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
     sampling = temperature > 0
-    # Greedy decoding gives one answer; transformers refuses num_return_sequences > 1 without sampling.
+    # Greedy decoding gives one answer; sampling repeats each prompt K times (rows prompt-major) and lets
+    # _RowSampler choose every token, so transformers itself runs its greedy step (do_sample=False: none of
+    # the checkpoint's warpers, top_k included, apply).
     n_gen = num_return_sequences if sampling else 1
     gen_kwargs = dict(
-        do_sample=sampling,
+        do_sample=False,
         max_new_tokens=max_new_tokens,
-        num_return_sequences=n_gen,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=_eos_ids(model, tokenizer),
         repetition_penalty=1.0,  # explicit: otherwise the checkpoint's generation_config fills it
     )
-    if sampling:  # top_k=0 disables top-k, which the checkpoint or transformers (50) would otherwise set
-        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
     model.eval()
     results: list[list[str] | None] = [None] * len(prompts)
     with torch.inference_mode(), tqdm(total=len(prompts), unit="prompt", disable=not progress, desc="generate") as bar:
-        for b, start in enumerate(range(0, len(order), batch_size)):
+        for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             enc = tokenizer(
                 [prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left",
                 add_special_tokens=False,
             ).to(model.device)
-            torch.manual_seed(seed + b)  # also seeds CUDA
-            out = model.generate(**enc, **gen_kwargs)
+            extra = {}
+            if sampling:
+                enc = {k: v.repeat_interleave(n_gen, dim=0) for k, v in enc.items()}
+                seeds = [sample_seed(seed, keys[i], s) for i in idx for s in range(n_gen)]
+                extra["logits_processor"] = LogitsProcessorList([_RowSampler(seeds, temperature, top_p)])
+            out = model.generate(**enc, **gen_kwargs, **extra)
             # Left padding: every row's prompt ends at the same column, so the completion starts there.
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for j, i in enumerate(idx):
@@ -103,7 +153,7 @@ def generate(
     return results
 
 
-def _generate_vllm(model, prompts, k, temperature, top_p, max_new_tokens, seed, progress) -> list[list[str]]:
+def _generate_vllm(model, prompts, keys, k, temperature, top_p, max_new_tokens, seed, progress) -> list[list[str]]:
     try:
         import vllm
     except ImportError as e:
@@ -117,10 +167,10 @@ def _generate_vllm(model, prompts, k, temperature, top_p, max_new_tokens, seed, 
     n = k if temperature > 0 else 1  # greedy: one answer, repeated below as with transformers
     params = [
         vllm.SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed + i,
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, key, 0),
             skip_special_tokens=True,
         )
-        for i in range(len(prompts))
+        for key in keys
     ]
     outputs = llm.generate(prompts, params, use_tqdm=progress)  # returned in input order
     return [[c.text for c in o.outputs] * (k // n) for o in outputs]
@@ -132,32 +182,39 @@ def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
 
 
 def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
-    """K completions per rendered prompt, with the config's batch, length, seed and backend settings."""
+                     top_p: float = 1.0, seed: int | None = None, keys: list[str] | None = None,
+                     progress: bool = True) -> list[list[str]]:
+    """K completions per rendered prompt, with the config's batch, length, seed and backend settings. Samples
+    are keyed by `keys` (question ids; the prompt text when None): a prompt's completions do not depend on
+    the other prompts of the call."""
     model, tokenizer = model_and_tokenizer
     return generate(model, tokenizer, prompts, num_return_sequences=k, temperature=temperature, top_p=top_p,
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                    seed=cfg.seed if seed is None else seed, backend=cfg.backend)
+                    seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress)
 
 
 def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None) -> list[list[str]]:
-    """K completions per example, in example order, with the config's prompt, batch and length settings."""
+             top_p: float = 1.0, seed: int | None = None, progress: bool = True) -> list[list[str]]:
+    """K completions per example, in example order, with the config's prompt, batch and length settings.
+    Samples are keyed by question id: a question's completions do not depend on the other examples."""
     prompts = prompts_for(cfg, examples, model_and_tokenizer[1])
-    return complete_prompts(cfg, prompts, model_and_tokenizer, k=k, temperature=temperature, top_p=top_p, seed=seed)
+    return complete_prompts(cfg, prompts, model_and_tokenizer, k=k, temperature=temperature, top_p=top_p,
+                            seed=seed, keys=[e.id for e in examples], progress=progress)
 
 
-def greedy_answers(cfg, prompts: list[str], model_and_tokenizer) -> list[dict]:
+def greedy_answers(cfg, prompts: list[str], model_and_tokenizer, *, keys: list[str] | None = None,
+                   progress: bool = True) -> list[dict]:
     """The greedy answer to each rendered prompt: the raw completion and the SQL extracted from it. What
     evaluate scores and what the served text2sql model returns (slmsql.text2sql) are both this."""
     out = []
-    for (completion,) in complete_prompts(cfg, prompts, model_and_tokenizer):
+    for (completion,) in complete_prompts(cfg, prompts, model_and_tokenizer, keys=keys, progress=progress):
         sql, how = extract_sql(completion)
         out.append({"completion": completion, "sql": sql, "extracted_by": how})
     return out
 
 
-def predict(cfg, examples: list[Example], model_and_tokenizer) -> dict[str, dict]:
+def predict(cfg, examples: list[Example], model_and_tokenizer, *, progress: bool = True) -> dict[str, dict]:
     """Greedy predictions keyed by id: the raw completion and the SQL extracted from it."""
     prompts = prompts_for(cfg, examples, model_and_tokenizer[1])
-    return {ex.id: answer for ex, answer in zip(examples, greedy_answers(cfg, prompts, model_and_tokenizer))}
+    answers = greedy_answers(cfg, prompts, model_and_tokenizer, keys=[e.id for e in examples], progress=progress)
+    return {ex.id: answer for ex, answer in zip(examples, answers)}

@@ -199,6 +199,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return value
 
 
+def load_tokenizer(model: str | os.PathLike):
+    """The model's tokenizer, after the cheap checks that fail fast on a bad path or id before any weights are
+    read (also what a Ray driver checks before its actors load the weights)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model = str(model)
+    if not Path(model).expanduser().is_dir() and is_path(model):
+        raise SlmsqlError(f"model '{model}': directory not found")
+    try:
+        AutoConfig.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise SlmsqlError(
+            f"model '{model}': not a local model directory and not loadable from the Hugging Face Hub ({e})"
+        ) from e
+    if tokenizer.chat_template is None:
+        raise SlmsqlError(f"model '{model}': its tokenizer has no chat template (an instruct/chat model is needed)")
+    return tokenizer
+
+
 def load_model(
     model: str | os.PathLike,
     adapter: str | os.PathLike | None = None,
@@ -214,7 +234,7 @@ def load_model(
     template. `trainable=False` gives an eval-mode model with frozen weights; `merge_adapter` folds the
     adapter into the base weights (inference only).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = str(model)
     if merge_adapter and trainable:
@@ -225,17 +245,7 @@ def load_model(
     dtype = resolve_dtype(dtype, device)
     if adapter is not None:
         check_adapter_base(adapter, model)
-    if not Path(model).expanduser().is_dir() and is_path(model):
-        raise SlmsqlError(f"model '{model}': directory not found")
-    try:
-        AutoConfig.from_pretrained(model)  # cheap: fails fast on a bad path/id before any weights are read
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise SlmsqlError(
-            f"model '{model}': not a local model directory and not loadable from the Hugging Face Hub ({e})"
-        ) from e
-    if tokenizer.chat_template is None:
-        raise SlmsqlError(f"model '{model}': its tokenizer has no chat template (an instruct/chat model is needed)")
+    tokenizer = load_tokenizer(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

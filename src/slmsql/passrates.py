@@ -3,6 +3,7 @@
 Pass rate counts execution *matches*, not the shaped reward. Every question lands in exactly one bucket: band
 (low < p < high), all_fail (0/K), all_pass (K/K), out_of_band "n/K" (e.g. 1/8 and 7/8 with the seed's 0.2/0.8
 band: a three-bucket report silently drops them), or errors (missing database, gold that does not execute).
+`question_rows` is the per-question work both engines (`engines`) run; `load_finished` the resume rule.
 """
 
 from __future__ import annotations
@@ -14,7 +15,30 @@ from pathlib import Path
 from .data import write_jsonl
 from .errors import SlmsqlError
 
-CHUNK = 32  # questions per resumable unit of the filter
+CHUNK = 32  # questions per generate-and-score round of the local engine (and per shard of the Ray engine)
+
+
+def question_rows(examples, completions: dict[str, list[str]], *, db_root, k: int, low: float, high: float,
+                  match: str, executor) -> list[dict]:
+    """One passrates row per example, in order. `completions` maps id -> K completions; an example without
+    them had no database (the generation step skips those)."""
+    from .data import db_path
+    from .scoring import outcomes
+
+    rows = []
+    for e in examples:
+        row = {"id": e.id, "db_id": e.db_id, "k": k}
+        if e.id not in completions:
+            rows.append({**row, "bucket": "errors", "error": "missing database"})
+            continue
+        outs = outcomes(completions[e.id], [e.sql] * k, [str(db_path(db_root, e.db_id))] * k, executor, match)
+        if outs[0].status == "gold_error":
+            rows.append({**row, "bucket": "errors", "error": outs[0].error})
+            continue
+        n = sum(o.correct for o in outs)
+        rows.append({**row, "n_correct": n, "pass_rate": n / k, "bucket": bucket(n, k, low, high),
+                     "statuses": [("correct" if o.correct else o.status) for o in outs]})
+    return rows
 
 
 def bucket(n_correct: int, k: int, low: float, high: float) -> str:
@@ -36,19 +60,23 @@ def bucket_summary(rows: list[dict], k: int, low: float, high: float) -> dict:
             "error_ids": [r["id"] for r in rows if r["bucket"] == "errors"]}
 
 
-def load_finished(path: Path, examples) -> list[dict]:
-    """Rows of fully finished chunks; a torn last line or a half-written chunk is dropped and redone."""
+def load_finished(path: Path, examples) -> dict[str, dict]:
+    """id -> row of every question already finished, in any order (samples are keyed by question id, so
+    which questions were done first, and by which engine, does not matter). A torn last line (kill -9 during
+    a write) is dropped and the file rewritten without it; a row for a question not in the source, or twice,
+    means the folder belongs to other data."""
     if not path.exists():
-        return []
-    rows = []
+        return {}
+    ids = {e.id for e in examples}
+    done: dict[str, dict] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             break
-    done = len(rows) - len(rows) % CHUNK if len(rows) < len(examples) else len(examples)
-    rows = rows[:done]
-    if [r["id"] for r in rows] != [e.id for e in examples[:done]]:
-        raise SlmsqlError(f"{path} does not match the source questions; delete {path.parent} to start over")
-    write_jsonl(path, rows)
-    return rows
+        if row.get("id") not in ids or row["id"] in done:
+            raise SlmsqlError(f"{path} does not match the source questions (row {row.get('id')!r}); "
+                              f"delete {path.parent} to start over")
+        done[row["id"]] = row
+    write_jsonl(path, done.values())
+    return done

@@ -196,24 +196,41 @@ def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
 _worker: dict = {}
 
 
-def _follow(owner: int) -> None:
-    """Exit once the pool's owner is gone. An owner killed outright (SIGKILL, the OOM killer, a launcher
-    stopping a rank) never closes its pool, and the workers (children of the forkserver, not of the owner)
-    would wait on their job queue forever, keeping the forkserver alive with them."""
-    while True:
-        time.sleep(1.0)
+def _proc_start(pid: int) -> bytes | None:
+    """The process's start time (Linux /proc), None once it is gone or a zombie; elsewhere b"" while alive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] in (b"Z", b"X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: only whether the pid exists
         try:
-            os.kill(owner, 0)
+            os.kill(pid, 0)
+            return b""
         except ProcessLookupError:
-            os._exit(0)
-        except PermissionError:
-            pass
+            return None
+
+
+def _exit_with_owner(owner: int) -> None:
+    """End this worker once the process that owns the pool is gone (or a zombie). A worker holds both ends of
+    its task queue and (under forkserver) keeps the forkserver alive, so nothing else would ever stop it: a
+    `kill -9`d stage or a Ray actor killed with its driver would leave its workers behind for good, holding
+    databases open. A daemon thread checks once a second (the start time guards against a reused pid)."""
+    born = _proc_start(owner)
+
+    def watch():
+        while _proc_start(owner) == born and born is not None:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="slmsql-owner-watch", daemon=True).start()
 
 
 def _init_worker(limits: Limits, slots, counter, runner, owner: int | None = None):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if owner is not None:
-        threading.Thread(target=_follow, args=(owner,), daemon=True).start()
+        _exit_with_owner(owner)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     soft = limits.worker_memory_bytes if hard == resource.RLIM_INFINITY else min(hard, limits.worker_memory_bytes)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -1,6 +1,7 @@
 """Evaluate: execution accuracy (EX) of a predictions file or a model, with intervals and a paired test.
 
-args -> gold data -> predictions (file, or greedy generation) -> sandboxed scoring -> statistics -> MLflow.
+args -> gold data -> engine (local or Ray: predictions from a file or greedy generation, sandboxed scoring)
+-> statistics -> MLflow.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from ..data import check_databases, read_gold, read_jsonl, read_predictions, wri
 from ..errors import DataError, SlmsqlError
 from ..figures import ex_figure
 from ..outputs import Staged
-from ..sandbox import Limits, SandboxPool
-from ..scoring import ex_summary, score_predictions
+from ..scoring import ex_summary
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +60,22 @@ def main(cfg: EvaluateConfig) -> dict:
     if cfg.baseline_run:  # checked before any model loads
         tracking.configure()
         baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
+    from .. import engines
+
+    work = engines.Work("evaluate", cfg)
+    policy = engines.check(work, generating=not cfg.predictions)  # a bad model fails before any output exists
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
     with st, tracking.stage_run("evaluate", cfg, tags=tags) as run:
-        work = st.work
+        work_dir = st.work
         tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
+        got: dict[str, tuple] = {}
+        engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
+                    payloads=preds if cfg.predictions else None, policy=policy)
+        results = [got[e.id][1] for e in examples]
         if not cfg.predictions:
-            from ..generation import predict  # heavy imports (torch, transformers) only when generating
-            from ..models import load_model
-
-            preds = predict(cfg, examples, load_model(cfg.model, cfg.adapter or None))
-            write_jsonl(work / "predictions.jsonl", [{"id": k, **v} for k, v in preds.items()])
-        limits = Limits(timeout_s=cfg.timeout_s)
-        with SandboxPool(cfg.workers or None, limits) as pool:
-            results = score_predictions(examples, preds, cfg.db_root, pool, cfg.match)
+            preds = {e.id: got[e.id][0] for e in examples}
+            write_jsonl(work_dir / "predictions.jsonl", [{"id": k, **v} for k, v in preds.items()])
         metrics = ex_summary(results)
         comparison = None
         if baseline is not None:
@@ -87,8 +89,8 @@ def main(cfg: EvaluateConfig) -> dict:
         missing = sum(r["status"] == "missing" for r in results)
         if missing:
             log.warning("%d gold examples have no prediction; scored wrong", missing)
-        write_jsonl(work / "results.jsonl", results)
-        write_json(work / "metrics.json", metrics)
+        write_jsonl(work_dir / "results.jsonl", results)
+        write_json(work_dir / "metrics.json", metrics)
         mlflow.log_metrics(tracking.numeric(metrics))
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
@@ -96,8 +98,8 @@ def main(cfg: EvaluateConfig) -> dict:
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
                  100 * metrics["ex_ci_low"], 100 * metrics["ex_ci_high"], metrics["n"], dataset, cfg.match)
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):
-            if (work / name).exists():
-                mlflow.log_artifact(str(work / name))
+            if (work_dir / name).exists():
+                mlflow.log_artifact(str(work_dir / name))
         mlflow.log_table(tables.evaluation_table(examples, results), "results_table.json")
         if baseline is not None:  # the questions behind McNemar's test: only one side got them right
             mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),

@@ -1,0 +1,298 @@
+"""The Ray engine (`--engine ray`, slmsql.engines) on real Ray, against the local engine on the same toy questions.
+
+- a real cluster: `ray start --head` on loopback as its own process, `mlflow run . -e filter` joins it with
+  `--ray-address` and writes the local engine's files, metrics and data check; then the cluster is stopped
+  and no process of it is left;
+- evaluate on an in-process local Ray gives the local engine's predictions, results and metrics;
+- faults: actor processes SIGKILLed mid-run are restarted by Ray and no question is lost or counted twice;
+  a driver SIGKILLed mid-run resumes from the questions it had finished, in the same MLflow run.
+
+Starting Ray costs ~10 s on 2 cores, so the in-process tests share one local Ray (module fixture). Where Ray
+is not installed the module is skipped, except under CI=true (.ci/run installs the `ray` extra): it fails.
+
+Loopback only: Ray resolves 127.0.0.1 to the machine's address and binds on all interfaces unless
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its single-machine mode, read when `ray` is first imported), set here
+for this process and every Ray process it starts. Authentication: a token made for this session
+(RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), not the user's ~/.ray/auth_token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import secrets
+
+import mlflow
+import psutil
+import pytest
+from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+
+from slmsql import configs
+from slmsql.stages import evaluate, filter as passrate
+
+if "ray" not in sys.modules:  # before the first `import ray` of this process, which reads them
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
+                      RAY_AUTH_TOKEN=secrets.token_hex(32))
+try:
+    import ray
+except ImportError:
+    if os.environ.get("CI") == "true":
+        pytest.fail("Ray is not installed; under CI this module must run (.ci/run installs the ray extra)",
+                    pytrace=False)
+    pytest.skip("Ray is not installed (pip install -e '.[ray]')", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("band.jsonl", "passrates.jsonl", "summary.json")
+# Small batches on Ray (rows trickle back: the fault tests can strike mid-run) against the local engine's
+# defaults (batch 16, chunks of 32): a different partitioning of the same questions.
+RAY_OPTS = {"engine": "ray", "batch_size": 4, "ray_score_batch": 4}
+
+
+def filter_args(policy, data, out) -> dict:
+    return {"data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "output_dir": str(out),
+            "k": 4, "max_new_tokens": 40, "workers": 1, "timeout_s": 2.0}
+
+
+def run_filter(policy, data, out, **over) -> dict:
+    return passrate.main(configs.load(configs.FilterConfig, None, {**filter_args(policy, data, out), **over}))
+
+
+def cli_args(opts: dict) -> list[str]:
+    return [a for k, v in opts.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def the_run(uri=None):
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    return client, run
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def same_outputs(out: Path, ref: Path) -> None:
+    for name in FILES:
+        assert (out / name).read_text() == (ref / name).read_text(), name
+
+
+@pytest.fixture(scope="module")
+def reference(policy, tmp_path_factory):
+    """The local engine's filter run on the policy's 40 source questions plus one without a database."""
+    root = tmp_path_factory.mktemp("ref")
+    rows = read(policy.source)
+    data = write(root / "source.jsonl", rows + [{**rows[0], "id": "no-db", "db_id": "no_such_db"}])
+    uri = f"sqlite:///{root}/mlflow.db"
+    with tracking_store(uri):
+        summary = run_filter(policy, data, root / "out")
+        _, run = the_run(uri)
+    assert summary["buckets"]["band"] > 0 and summary["buckets"]["errors"] == 1
+    return data, root / "out", run.data.metrics
+
+
+# ---- a real cluster: `ray start --head` as its own process, on loopback ----------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+    return out
+
+
+def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path):
+    data, ref, ref_metrics = reference
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
+         "--disable-usage-stats", "--temp-dir", temp],
+        stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and head.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.5)
+        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
+        # `mlflow run` passes every parameter to `slmsql filter`, which joins the cluster as a Ray driver.
+        # (MLFLOW_EXPERIMENT_ID: what an earlier mlflow.set_experiment in this process left in the environment)
+        env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_EXPERIMENT_ID"},
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        params = {**filter_args(policy, data, tmp_path / "out"), **RAY_OPTS, "ray_address": f"127.0.0.1:{port}"}
+        cmd = [str(Path(sys.executable).parent / "mlflow"), "run", str(ROOT), "-e", "filter", "--env-manager",
+               "local", "--experiment-name", "slmsql", *[a for k, v in params.items() for a in ("-P", f"{k}={v}")]]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert f"Connecting to existing Ray cluster at address: 127.0.0.1:{port}" in done.stderr
+        same_outputs(tmp_path / "out", ref)
+        client, run = the_run()
+        assert run.info.status == "FINISHED" and run.data.params["engine"] == "ray"
+        assert run.data.metrics == ref_metrics and ref_metrics["data_check_success"] == 1.0
+        assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= {
+            f.path for f in client.list_artifacts(run.info.run_id)}
+        # the cluster listens on loopback only
+        listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for p in session_processes(head.pid)
+                     for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert ("127.0.0.1", port) in listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    finally:
+        head.terminate()  # `ray start --block` stops its cluster on SIGTERM (the leader only: it drains first)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        for p in session_processes(head.pid):  # whatever did not stop in time
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        time.sleep(1)
+        left = [p.pid for p in session_processes(head.pid)]
+        shutil.rmtree(temp, ignore_errors=True)
+    assert head.returncode is not None and not left, f"cluster processes left: {left}"
+
+
+# ---- an in-process local Ray, shared by the tests below --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_ray():
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ctx = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
+    yield ctx.address_info["gcs_address"]
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_path):
+    def run(out, **over):
+        return evaluate.main(configs.load(configs.EvaluateConfig, None, {
+            "data": str(policy.dev), "db_root": str(policy.db_root), "model": str(policy.model),
+            "output_dir": str(out), "workers": 1, "max_new_tokens": 40, "experiment": out.name, **over}))
+
+    local = run(tmp_path / "local")
+    on_ray = run(tmp_path / "ray", **RAY_OPTS)
+    assert 0 < local["ex"] < 1 and on_ray == local  # EX, interval, per-difficulty, status rates
+    predictions = [(tmp_path / d / "predictions.jsonl").read_text() for d in ("local", "ray")]
+    assert predictions[0] == predictions[1]
+    untimed = [[{k: v for k, v in r.items() if k != "pred_ms"} for r in read(tmp_path / d / "results.jsonl")]
+               for d in ("local", "ray")]
+    assert untimed[0] == untimed[1] and len(untimed[0]) == 30
+    client = mlflow.MlflowClient()
+    runs = [client.search_runs([client.get_experiment_by_name(d).experiment_id])[0] for d in ("local", "ray")]
+    assert runs[0].data.metrics == runs[1].data.metrics
+    assert [r.data.params["engine"] for r in runs] == ["local", "ray"]
+
+
+def left_holding(root: Path, wait_s: float = 30) -> list[int]:
+    """Processes (none of them this one) that still hold a database under `root` open after up to `wait_s`:
+    sandbox workers a killed actor or driver left behind (Ray ends a finished run's actors a little late)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.pid != os.getpid() and any(f.path.startswith(str(root)) for f in p.open_files()):
+                    found.append(p.pid)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def _ray_children(names: tuple[str, ...]) -> dict[str, psutil.Process]:
+    """This process's Ray actor processes running our map_batches classes, by class name."""
+    found = {}
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(p.cmdline())
+            for name in names:
+                if title.startswith(f"ray::MapWorker(MapBatches({name}))"):
+                    found.setdefault(name, p)
+    return found
+
+
+def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(policy, reference, local_ray,
+                                                                           tmp_path):
+    """SIGKILL the scoring actor while it scores its first batch (its sandbox pool has started: the actor has
+    children; no row is back yet), and the generation actor with it. Ray restarts both and retries their
+    batches (with max_restarts=0 the run fails instead); the output is the local engine's, each question once
+    (the driver refuses a question twice)."""
+    data, ref, ref_metrics = reference
+    partial = tmp_path / "out.partial" / "passrates.jsonl"
+    killed, at_kill = {}, []
+
+    def strike():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            actors = _ray_children(("_Generate", "_Score"))
+            with contextlib.suppress(psutil.Error):
+                if "_Score" in actors and actors["_Score"].children():
+                    break
+            time.sleep(0.01)
+        at_kill.append(lines(partial))
+        for name, proc in actors.items():
+            proc.kill()
+            killed[name] = proc.pid
+
+    striker = threading.Thread(target=strike, daemon=True)
+    striker.start()
+    run_filter(policy, data, tmp_path / "out", **RAY_OPTS)
+    striker.join(timeout=5)
+    assert set(killed) == {"_Generate", "_Score"}, killed
+    assert at_kill == [0], f"{at_kill} rows were back when the kill landed: the first batch was not in flight"
+    assert not any(psutil.pid_exists(pid) for pid in killed.values())
+    same_outputs(tmp_path / "out", ref)
+    _, run = the_run()
+    assert run.data.metrics == ref_metrics
+    assert not left_holding(policy.db_root), "sandbox workers outlived their actors"
+
+
+def test_killed_driver_resumes_from_finished_questions(policy, reference, local_ray, tmp_path):
+    """`slmsql filter --engine ray` joins the shared Ray as its own driver process and is SIGKILLed once the
+    first rows are in; the rerun keeps those rows (marked here), scores only the rest, continues the same
+    MLflow run, and ends with the local engine's files."""
+    data, ref, ref_metrics = reference
+    out, partial = tmp_path / "out", tmp_path / "out.partial" / "passrates.jsonl"
+    opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_address": local_ray}
+    proc = subprocess.Popen([sys.executable, "-m", "slmsql.cli", "filter", *cli_args(opts)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while lines(partial) == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-3000:]
+    rows = []
+    for line in partial.read_text().splitlines():  # a kill mid-write may leave a torn last line
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    assert 0 < len(rows) < 41 and not out.exists()
+    write(partial, [{**r, "mark": True} for r in rows])  # a rerun that scored them again would drop the mark
+
+    run_filter(policy, data, out, engine="ray")  # the shared Ray, as the default address finds it
+    final = read(out / "passrates.jsonl")
+    assert sorted(r["id"] for r in final if r.get("mark")) == sorted(r["id"] for r in rows)
+    assert [{k: v for k, v in r.items() if k != "mark"} for r in final] == read(ref / "passrates.jsonl")
+    for name in ("band.jsonl", "summary.json"):
+        assert (out / name).read_text() == (ref / name).read_text()
+    _, run = the_run()  # one run: the rerun continued the killed driver's
+    assert run.info.status == "FINISHED" and run.data.metrics == ref_metrics
+    assert not left_holding(policy.db_root), "sandbox workers outlived the killed driver's actors"
