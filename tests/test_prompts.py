@@ -9,7 +9,7 @@ import pytest
 from slmsql import toyworld as toy
 from slmsql.data import Example, db_path, read_gold
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.prompts import (INSTRUCTION, PromptBuilder, build_messages, render_prompt, schema_from_tables_json,
+from slmsql.prompts import (INSTRUCTION, PromptBuilder, answer, build_messages, render_prompt, schema_from_tables_json,
                             schema_text)
 
 
@@ -270,3 +270,22 @@ def test_prompt_builder_applies_max_chars_to_compact(wide_db, caplog):
     assert len(schema) <= MAX_CHARS and full.startswith(schema + "\n")
     assert schema.endswith(");") and builder.info["wide"]["truncated_schema"]
     assert "schema of wide is longer than 12000 characters" in caplog.text
+
+
+def test_text_utf8_cannot_encode_reaches_the_tokenizer_as_replacement_characters():
+    """A lone surrogate in a question or gold SQL (a JSON "\\ud800" escape) used to stop SFT, filter and
+    evaluate at the tokenizer; the model now reads U+FFFD in its place."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    tok.backend_tokenizer.pre_tokenizer = Whitespace()
+    tok.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    with pytest.raises(TypeError):  # what a raw lone surrogate does to a fast (Rust) tokenizer
+        tok("Office items \ud800?")
+    prompt = render_prompt(tok, build_messages("Office items \ud800?", "CREATE TABLE item"))
+    target = answer("SELECT '\ud800'")
+    assert "Question: Office items \ufffd?" in prompt and target == "```sql\nSELECT '\ufffd'\n```"
+    assert tok(prompt)["input_ids"] and tok(target)["input_ids"]

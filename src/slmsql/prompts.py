@@ -30,7 +30,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from .data import db_path, schema_of
+from .data import db_path, safe_text, schema_of
 from .errors import DataError, SlmsqlError
 
 log = logging.getLogger(__name__)
@@ -218,13 +218,15 @@ def build_messages(question: str, schema: str, evidence: str | None = None, syst
     if evidence:
         parts.append(f"Evidence: {evidence}")
     parts += [f"Question: {question}", INSTRUCTION]
-    user = {"role": "user", "content": "\n\n".join(parts)}
+    # What the model reads is text a tokenizer can encode: a lone surrogate (a JSON "\ud800" escape in a
+    # gold file) becomes U+FFFD here; the data files keep the exact string.
+    user = {"role": "user", "content": safe_text("\n\n".join(parts))}
     return [{"role": "system", "content": SYSTEM}, user] if system else [user]
 
 
 def answer(sql: str) -> str:
-    """The assistant turn SFT trains on and the format reward looks for."""
-    return f"```sql\n{sql}\n```"
+    """The assistant turn SFT trains on and the format reward looks for (encodable text, as above)."""
+    return safe_text(f"```sql\n{sql}\n```")
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> str:
