@@ -19,6 +19,7 @@ from pathlib import Path
 from . import configs
 from .hub import hub_id, same_model
 from .errors import SlmsqlError
+from .wording import pct, points, pts, pval
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
 VERDICTS = ("improved", "regressed", "no significant difference")
@@ -161,24 +162,7 @@ def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -
     return text + _signal(telemetry)
 
 
-# --- formatting, also used as Jinja filters ------------------------------------------------------------------
-def pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def pts(x) -> str:
-    return "n/a" if x is None else f"{100 * x:+.1f}".replace("-", "−")
-
-
-def pval(p) -> str:
-    return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
-
-
-def points(x) -> str:
-    """A spread in points, unsigned."""
-    return "n/a" if x is None else f"{100 * x:.1f}"
-
-
+# --- formatting, also used as Jinja filters (pct, pts, pval, points: slmsql.wording) -----------------------
 def mdd(x) -> str:
     return "none at this n" if x is None or not math.isfinite(x) else f"{100 * x:.1f} points"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from . import distributed
 from .data import write_json
 from .errors import SlmsqlError
+from .wording import pct, pts, pval
 
 DEFAULT_URI = "sqlite:///mlflow.db"  # embedded default: a SQLite store in the working folder
 
@@ -457,18 +458,6 @@ EXPERIMENT_NOTE = (
     "signal?). Metric names: README, \"Metric vocabulary\".")
 
 
-def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def _pts(x) -> str:
-    return "n/a" if x is None else f"{100 * x:+.1f}".replace("-", "−")
-
-
-def _p(p) -> str:
-    return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
-
-
 def _duration(seconds) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
@@ -529,13 +518,13 @@ def ui_link(experiment_id: str, uri: str | None = None) -> str:
 def evaluation_note(metrics: dict, dataset: str, match: str, comparison: dict | None = None,
                     baseline_name: str = "", alpha: float = 0.05) -> str:
     # no "[a, b] (" anywhere: the UI renders descriptions as Markdown, where that reads as a link
-    text = (f"EX {_pct(metrics['ex'])} (95% Wilson interval {_pct(metrics['ex_ci_low'])} to "
-            f"{_pct(metrics['ex_ci_high'])}) on {metrics['n']} questions of {dataset}, {match} match.")
+    text = (f"EX {pct(metrics['ex'])} (95% Wilson interval {pct(metrics['ex_ci_low'])} to "
+            f"{pct(metrics['ex_ci_high'])}) on {metrics['n']} questions of {dataset}, {match} match.")
     if comparison:
         c = comparison
-        text += (f"\nvs {baseline_name or 'the baseline'}: {_pct(c['ex_b'])} → {_pct(c['ex_a'])}, "
-                 f"{_pts(c['diff'])} points ({1 - alpha:.0%} interval {_pts(c['diff_ci_low'])} to "
-                 f"{_pts(c['diff_ci_high'])}), McNemar p = {_p(c['mcnemar_p'])}: {c['verdict']} at α = {alpha:g}. "
+        text += (f"\nvs {baseline_name or 'the baseline'}: {pct(c['ex_b'])} → {pct(c['ex_a'])}, "
+                 f"{pts(c['diff'])} points ({1 - alpha:.0%} interval {pts(c['diff_ci_low'])} to "
+                 f"{pts(c['diff_ci_high'])}), McNemar p = {pval(c['mcnemar_p'])}: {c['verdict']} at α = {alpha:g}. "
                  f"{c['only_a']} questions only this run got right, {c['only_b']} only the baseline.")
     return text
 
@@ -606,11 +595,11 @@ def publish_note(cfg, result: dict) -> str:
 def pipeline_note(headline: dict, verdicts: dict) -> str:
     """The lifecycle's headline from the pipeline's metrics (`<step>/<metric>`) and each eval set's verdict."""
     h = headline.get
-    lines = [f"{split}: SFT {_pct(h(f'eval-sft-{split}/ex'))} → GRPO {_pct(h(f'eval-grpo-{split}/ex'))}, "
-             f"{_pts(h(f'eval-grpo-{split}/vs_baseline/diff'))} points "
-             f"(interval {_pts(h(f'eval-grpo-{split}/vs_baseline/diff_ci_low'))} to "
-             f"{_pts(h(f'eval-grpo-{split}/vs_baseline/diff_ci_high'))}, "
-             f"McNemar p = {_p(h(f'eval-grpo-{split}/vs_baseline/p'))}): {verdict}."
+    lines = [f"{split}: SFT {pct(h(f'eval-sft-{split}/ex'))} → GRPO {pct(h(f'eval-grpo-{split}/ex'))}, "
+             f"{pts(h(f'eval-grpo-{split}/vs_baseline/diff'))} points "
+             f"(interval {pts(h(f'eval-grpo-{split}/vs_baseline/diff_ci_low'))} to "
+             f"{pts(h(f'eval-grpo-{split}/vs_baseline/diff_ci_high'))}, "
+             f"McNemar p = {pval(h(f'eval-grpo-{split}/vs_baseline/p'))}): {verdict}."
              for split, verdict in verdicts.items()]
     varies, zero = h("grpo/summary/exec/frac_groups_correctness_varies"), h("grpo/summary/frac_reward_zero_std")
     tail = (f"Filter: {h('filter/band', 0):.0f} band questions of {h('filter/n_source', 0):.0f}"
@@ -621,9 +610,9 @@ def pipeline_note(headline: dict, verdicts: dict) -> str:
 
 def sweep_note(rep: dict) -> str:
     """The sweep's table in words: each variant on each eval set, pooled over its seeds, Holm-adjusted."""
-    rows = "; ".join(f"{r['variant']} on {r['eval_set']}: {_pct(r['ex_b'])} → {_pct(r['ex_mean'])} (mean over "
-                     f"seeds), {_pts(r['diff'])} points (interval {_pts(r['diff_ci_low'])} to "
-                     f"{_pts(r['diff_ci_high'])}), p (Holm) = {_p(r['p_holm'])}: {r['verdict']}" for r in rep["rows"])
+    rows = "; ".join(f"{r['variant']} on {r['eval_set']}: {pct(r['ex_b'])} → {pct(r['ex_mean'])} (mean over "
+                     f"seeds), {pts(r['diff'])} points (interval {pts(r['diff_ci_low'])} to "
+                     f"{pts(r['diff_ci_high'])}), p (Holm) = {pval(r['p_holm'])}: {r['verdict']}" for r in rep["rows"])
     return (f"Sweep: {len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) vs the starting policy, "
             f"pooled per variant, Holm over {rep['comparisons']} comparisons.\n{rows}.")
 

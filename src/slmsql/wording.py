@@ -1,0 +1,22 @@
+"""Numbers in words: how a rate, a difference in points and a p-value are written, the same in the model card
+(as Jinja filters) and in the MLflow run descriptions."""
+
+from __future__ import annotations
+
+
+def pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def pts(x) -> str:
+    """A signed difference in points, with a true minus sign."""
+    return "n/a" if x is None else f"{100 * x:+.1f}".replace("-", "−")
+
+
+def pval(p) -> str:
+    return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
+
+
+def points(x) -> str:
+    """A spread in points, unsigned."""
+    return "n/a" if x is None else f"{100 * x:.1f}"
