@@ -105,7 +105,7 @@ def _runs(uri):
 
 
 def test_every_run_describes_its_result_in_documented_names(lifecycle):
-    from slmsql import tracking
+    from slmsql import tracking, vocabulary
 
     uri, root, run = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -114,7 +114,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
     for r in [parent, *children.values()]:
         stage = r.data.tags["slmsql.stage"]
         assert r.data.tags.get(tracking.NOTE), f"{r.info.run_name} has no description"
-        assert not [k for k in r.data.metrics if not tracking.documented(k, stage)], r.info.run_name
+        assert not [k for k in r.data.metrics if not vocabulary.documented(k, stage)], r.info.run_name
     # the parent: the headline as metrics (named <step>/<metric>), verdicts as tags, both in its description
     m, tags, note = parent.data.metrics, parent.data.tags, parent.data.tags[tracking.NOTE]
     for split in ("dev", "dev_cross"):

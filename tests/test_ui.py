@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import mlflow
 import pytest
 
-from slmsql import configs, figures, tables, tracking
+from slmsql import configs, descriptions, figures, tables, tracking, vocabulary
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate
 
@@ -100,14 +100,14 @@ def test_experiment_has_a_description(paired):
 
 def test_readme_documents_the_vocabulary():
     readme = (ROOT / "README.md").read_text()
-    assert tracking.vocabulary_markdown() in readme, (
+    assert vocabulary.vocabulary_markdown() in readme, (
         "README's metric table is out of date: paste the output of "
-        "`python -c 'from slmsql.tracking import vocabulary_markdown as v; print(v())'`")
+        "`python -c 'from slmsql.vocabulary import vocabulary_markdown as v; print(v())'`")
 
 
 def test_vocabulary_names_what_runs_log(paired):
     base, best = paired.base, paired.best
-    assert not [k for k in best.data.metrics if not tracking.documented(k, "evaluate")]
+    assert not [k for k in best.data.metrics if not vocabulary.documented(k, "evaluate")]
     # the comparison names its sides, and this run's own EX is not logged twice
     assert best.data.metrics["vs_baseline/only_this_right"] == 6
     assert best.data.metrics["vs_baseline/only_baseline_right"] == 0
@@ -131,7 +131,7 @@ def test_vocabulary_names_what_runs_log(paired):
     ("vs_baseline_only_a", None, False), ("rate_error", None, False), ("vs_baseline/only_a", None, False),
 ])
 def test_documented(name, stage, ok):
-    assert tracking.documented(name, stage) is ok
+    assert vocabulary.documented(name, stage) is ok
 
 
 def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypatch):
@@ -277,12 +277,12 @@ def test_notes_of_the_other_stages():
 
     toy = {"size": "small", "seed": 0, "counts": {"sft": {"total": 2000}, "dev": {"total": 200}},
            "databases": {"sft": ["a", "b"], "dev": ["b", "c"]}}  # dev asks new questions on the same databases
-    assert tracking.toy_note(toy) == "Toy world (small, seed 0): 2000 sft, 200 dev questions over 3 databases."
+    assert descriptions.toy_note(toy) == "Toy world (small, seed 0): 2000 sft, 200 dev questions over 3 databases."
     info = {"parameters": 812345, "vocab_size": 2000, "texts": 2000}
-    assert tracking.tiny_model_note(info, NS(layers=2, hidden=128)) == (
+    assert descriptions.tiny_model_note(info, NS(layers=2, hidden=128)) == (
         "Tiny Qwen2 model: 812,345 parameters (2 layers, hidden 128), BPE vocabulary 2,000 trained on 2,000 toy texts.")
     # GRPO: zero groups with varying correctness is said as such, not as a small signal
     grpo = {"summary/exec/frac_groups_correctness_varies": 0.0, "summary/frac_reward_zero_std": 1.0, "steps": 3,
             "train_seconds": 12.0}
-    assert tracking.grpo_note(grpo) == ("GRPO, 3 steps in 12 s. No correctness signal: no group held both right "
+    assert descriptions.grpo_note(grpo) == ("GRPO, 3 steps in 12 s. No correctness signal: no group held both right "
                                         "and wrong SQL.\n100% of groups had zero reward variance (no gradient).")

@@ -133,8 +133,8 @@ def quiet_progress(trainer) -> None:
 
 def summary_metrics(log_history: list[dict]) -> dict:
     """Means over the run of the signals that separate 'no gradient signal' from 'signal, no gain', as
-    `summary/<metric>` (tracking.SUMMARY_OF)."""
-    from .tracking import SUMMARY_OF
+    `summary/<metric>` (vocabulary.SUMMARY_OF)."""
+    from .vocabulary import SUMMARY_OF
 
     out = {}
     for key in SUMMARY_OF:

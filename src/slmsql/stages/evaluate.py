@@ -46,7 +46,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from .. import tracking
+    from .. import descriptions, tracking, vocabulary
 
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
@@ -82,7 +82,7 @@ def main(cfg: EvaluateConfig) -> dict:
             comparison = stats.compare([r["correct"] for r in results],
                                        [bool(baseline[r["id"]]["correct"]) for r in results], alpha=cfg.alpha)
             metrics["comparison"] = {"baseline_run": cfg.baseline_run, **comparison}
-            mlflow.log_metrics(tracking.comparison_metrics(comparison))
+            mlflow.log_metrics(vocabulary.comparison_metrics(comparison))
             mlflow.set_tags({"slmsql.baseline_run": cfg.baseline_run, "slmsql.verdict": comparison["verdict"]})
             log.info("vs baseline: %+.1f points, McNemar p=%.3g -> %s", 100 * comparison["diff"],
                      comparison["mcnemar_p"], comparison["verdict"])
@@ -94,7 +94,7 @@ def main(cfg: EvaluateConfig) -> dict:
         mlflow.log_metrics(tracking.numeric(metrics))
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
-        tracking.describe(tracking.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))
+        tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
                  100 * metrics["ex_ci_low"], 100 * metrics["ex_ci_high"], metrics["n"], dataset, cfg.match)
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):

@@ -29,7 +29,7 @@ def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, engines, tracking
+    from .. import datachecks, descriptions, engines, tracking
     from ..models import check_adapter_base
 
     # args
@@ -81,7 +81,7 @@ def main(cfg: FilterConfig) -> dict:
             mlflow.log_artifact(str(work_dir / name))
         if band:  # named as GRPO names its input: one name for one dataset
             tracking.log_dataset(band, "rl", out / "band.jsonl", context="output")
-        tracking.describe(tracking.filter_note(summary))
+        tracking.describe(descriptions.filter_note(summary))
         report = datachecks.run_rl_check(work_dir / "band.jsonl", cfg.db_root, work_dir / "summary.json", cfg.low,
                                          cfg.high)
         tracking.log_json(report.to_json(), "data_check/rl.json")

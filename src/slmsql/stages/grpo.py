@@ -41,7 +41,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import distributed, figures, grpo_variants, rewards, tables, tracking, training
+    from .. import descriptions, distributed, figures, grpo_variants, rewards, tables, tracking, training
     from ..models import check_adapter_base, load_model, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -117,7 +117,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                 record_stack(final, cfg.base_adapter, merged=not continue_adapter)
             write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
             mlflow.log_metrics(summary)
-            tracking.describe(tracking.grpo_note(summary))
+            tracking.describe(descriptions.grpo_note(summary))
             if (curves := figures.training_curves(trainer.state.log_history)) is not None:
                 mlflow.log_figure(curves, "training_curves.png")
             mlflow.log_artifacts(str(final), "adapter")

@@ -17,7 +17,7 @@ from ..workflow import Steps, use_this_cli
 
 
 def main(cfg: PipelineConfig) -> dict:
-    from .. import tracking
+    from .. import descriptions, tracking
 
     use_this_cli()
 
@@ -48,13 +48,13 @@ def main(cfg: PipelineConfig) -> dict:
               repo_id=cfg.repo_id, base_repo=cfg.base_repo, **push)
         headline = headline_numbers(filt, grpo, evals)
         verdicts = {split: evals[split].data.tags.get("slmsql.verdict") for split in SPLITS}
-        tracking.log_headline(headline, verdicts)
+        descriptions.log_headline(headline, verdicts)
         print_headline(headline, verdicts, s.out / "publish" / "README.md", tracking.ui_link(s.experiment_id))
     return {**headline, **{f"verdict/{k}": v for k, v in verdicts.items()}}
 
 
 SPLITS = ("dev", "dev_cross")
-HEADLINE = {  # step -> the metrics of it the parent run carries, as `<step>/<metric>` (tracking.VOCABULARY)
+HEADLINE = {  # step -> the metrics of it the parent run carries, as `<step>/<metric>` (vocabulary.VOCABULARY)
     "filter": ("n_source", "band", "all_fail", "all_pass", "out_of_band", "errors"),
     "grpo": ("summary/frac_reward_zero_std", "summary/reward_std", "summary/exec/frac_groups_correctness_varies"),
     "eval-sft": ("ex",),

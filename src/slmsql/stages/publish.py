@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from .. import card as cards
-from .. import tracking
+from .. import descriptions, tracking
 from ..configs import PublishConfig
 from ..data import write_json
 from ..errors import SlmsqlError
@@ -267,6 +267,6 @@ def main(cfg: PublishConfig) -> dict:
         if not cfg.dry_run:
             result.update(ship(cfg, token, out, runs, name))
         tracking.log_json(result, "publish.json")
-        tracking.describe(tracking.publish_note(cfg, result))
+        tracking.describe(descriptions.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
     return result

@@ -32,7 +32,7 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import distributed, tracking, training
+    from .. import descriptions, distributed, tracking, training
     from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
 
     # args: every check before any model loads
@@ -83,7 +83,7 @@ def main(cfg: SFTStageConfig) -> dict:
             write_json(work / "sft_summary.json", summary)
             mlflow.log_metrics(tracking.numeric(summary))
             mlflow.set_tag("slmsql.policy_kind", summary["kind"])
-            tracking.describe(tracking.sft_note(summary, cfg.model))
+            tracking.describe(descriptions.sft_note(summary, cfg.model))
             for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
                 if f.is_file():
                     mlflow.log_artifact(str(f), "policy")

@@ -225,7 +225,7 @@ def markdown(rep: dict) -> str:
 def main(cfg: SweepConfig) -> dict:
     import mlflow
 
-    from .. import tracking
+    from .. import descriptions, tracking
     from ..figures import forest_figure
     from ..workflow import Steps, use_this_cli
 
@@ -277,6 +277,6 @@ def main(cfg: SweepConfig) -> dict:
         mlflow.log_figure(forest_figure(rep), "forest.png")
         mlflow.log_metrics({"variants": len(p.variants), "cells": len(cells),
                             "cells_reused": sum(c["reused"] for c in cells)})
-        tracking.describe(tracking.sweep_note(rep))
+        tracking.describe(descriptions.sweep_note(rep))
         print(f"\nslmsql sweep (parent run {parent.info.run_id})\n\n{text}\nreport: {report_dir}\n", flush=True)
     return rep

@@ -40,7 +40,7 @@ def training_texts(cfg) -> list[str]:
 def main(cfg: TinyModelConfig) -> dict:
     import mlflow
 
-    from .. import tracking
+    from .. import descriptions, tracking
     from ..models import build_tiny_model
 
     texts = training_texts(cfg)
@@ -58,6 +58,6 @@ def main(cfg: TinyModelConfig) -> dict:
         mlflow.log_metrics(info)
         write_json(work / "tiny_model.json", info)
         mlflow.log_artifacts(str(work), "model")
-        tracking.describe(tracking.tiny_model_note(info, cfg))
+        tracking.describe(descriptions.tiny_model_note(info, cfg))
     log.info("tiny model: %d parameters, vocab %d -> %s", n_params, info["vocab_size"], cfg.output_dir)
     return info

@@ -17,7 +17,7 @@ def main(cfg) -> Report:
     """
     import mlflow
 
-    from .. import tracking
+    from .. import descriptions, tracking
 
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before the slow part if the folder is in the way
     report = validate(cfg.kind, cfg.data, cfg.db_root, summary=cfg.summary or None, eval_sets=cfg.eval_sets,
@@ -32,7 +32,7 @@ def main(cfg) -> Report:
         mlflow.log_metrics({"n_expectations": len(report.results), "n_failed": len(report.failed),
                             "success": float(report.success), "n_rows": report.n_rows,
                             "gx_seconds": report.gx_seconds})
-        tracking.describe(tracking.validate_note(report))
+        tracking.describe(descriptions.validate_note(report))
         if not report.success:
             raise SlmsqlError(report.failure_message(st.out / "validation.md"))
     return report
