@@ -124,3 +124,14 @@ def test_accelerate_configs_parse():
     for name in ("ddp", "zero2"):
         doc = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "accelerate" / f"{name}.yaml").read_text())
         assert doc["distributed_type"] in ("MULTI_GPU", "DEEPSPEED")
+
+
+def test_recipe_scalars_follow_yaml_1_2(tmp_path):
+    """`no`/`off` stay strings (TRL's save_strategy="no"), 1e-5 is a float, true/false and a bool field's
+    yes/no still mean booleans."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-5\nuse_lora: no\nresume: yes\n"
+                      "trainer_args: {save_strategy: no, report_to: off, warmup_ratio: 5e-2, bf16: false}\n")
+    cfg = configs.load(configs.GRPOStageConfig, str(recipe), {})
+    assert cfg.trainer_args == {"save_strategy": "no", "report_to": "off", "warmup_ratio": 0.05, "bf16": False}
+    assert (cfg.learning_rate, cfg.use_lora, cfg.resume) == (1e-5, False, True)

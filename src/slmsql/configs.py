@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -483,6 +484,21 @@ def parse_grid(text: str, source: str = "--grid") -> list[Variant]:
     return variants
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """YAML with 1.2's scalars where 1.1 (PyYAML's) surprises: only true/false are booleans (under 1.1
+    `trainer_args: {save_strategy: no}` reached TRL as False; `yes`/`no` still mean true/false for a bool field,
+    by `coerce`), and `1e-5` is a float, not the string '1e-5'."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                                   list("-+0123456789"))
+
+
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
          defaults_yield: bool = False):
     """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring).
@@ -494,7 +510,7 @@ def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool 
         if not path.is_file():
             raise DataError("recipe not found", path)
         try:
-            doc = yaml.safe_load(path.read_text()) or {}
+            doc = yaml.load(path.read_text(), Loader=RecipeLoader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
