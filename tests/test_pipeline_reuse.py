@@ -166,3 +166,16 @@ def test_code_version_hashes_the_package_and_its_data(tmp_path, monkeypatch):
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "trl" else real(name))
     assert workflow.code_version() != first  # an upgraded TRL trains differently
+
+
+def test_step_paths_are_project_relative_inside_the_project(tmp_path, monkeypatch):
+    """Steps run in the project folder: an output folder inside it is a relative param (`outputs/...`, the same
+    in every clone), one outside it stays absolute, from whatever folder the workflow was started."""
+    monkeypatch.chdir(tmp_path)
+    inside = workflow.ROOT / "outputs" / "x" / ".." / "sft"
+    assert workflow.project_path(inside) == "outputs/sft"
+    assert workflow.project_path("rel/out") == str(tmp_path / "rel" / "out")
+    steps = workflow.Steps.__new__(workflow.Steps)  # params() alone: no store needed
+    steps.out, steps.experiment, steps.seed, steps.overrides = workflow.ROOT / "outputs", "e", 0, {}
+    assert steps.params("sft", "sft", {})["output_dir"] == "outputs/sft"
+    assert steps.params("sft", "sft", {"output_dir": tmp_path / "o"})["output_dir"] == str(tmp_path / "o")

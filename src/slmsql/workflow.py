@@ -79,6 +79,14 @@ def use_this_cli() -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
+def project_path(path) -> str:
+    """A local path as a step's parameter. Steps run in the project folder (`mlflow.run`), so a path inside it
+    is written relative to it (`outputs/sft`: params that read the same on every machine and in every clone),
+    a path outside it absolute."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 class Steps:
     """The steps of one workflow run: each writes to `output_dir`/<name> unless given its own output_dir, and
     gets `seed` unless given its own; `overrides` ({"<stage>.<field>": value}) apply to every step of that
@@ -96,8 +104,9 @@ class Steps:
 
     def params(self, stage: str, name: str, given: dict) -> dict:
         extra = {k.split(".", 1)[1]: v for k, v in self.overrides.items() if k.split(".", 1)[0] == stage}
-        return {"output_dir": str(self.out / name), "experiment": self.experiment, "run_name": name,
-                "seed": self.seed, **given, **extra}
+        params = {"output_dir": self.out / name, "experiment": self.experiment, "run_name": name,
+                  "seed": self.seed, **given, **extra}
+        return {**params, "output_dir": project_path(params["output_dir"])}
 
     def find(self, stage: str, params: dict):
         """The latest finished run of `stage` by this code version whose resolved config equals the one these

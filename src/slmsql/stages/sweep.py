@@ -28,6 +28,7 @@ from ..configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, par
 from ..data import read_jsonl, write_json
 from ..errors import DataError, SlmsqlError
 from ..outputs import Staged
+from ..workflow import project_path
 
 log = logging.getLogger(__name__)
 # fields of a cell's evaluate run that the sweep sets itself (the rest come from --evaluate-recipe / overrides)
@@ -53,8 +54,8 @@ class Plan:
 
 
 def _local(path: str) -> str:
-    """A local path made absolute (steps run in the project folder), a Hub id kept as given."""
-    return str(Path(path).resolve()) if path and Path(path).exists() else path
+    """A local path as the steps find it (`workflow.project_path`), a Hub id kept as given."""
+    return project_path(path) if path and Path(path).exists() else path
 
 
 def _overrides(cfg: SweepConfig, variants: list[Variant]) -> dict:
