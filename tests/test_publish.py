@@ -744,3 +744,15 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
     # the same results as a card given the eval runs explicitly
     assert front_matter(card)["model-index"][0]["results"][0]["metrics"][0]["value"] == 36.2
+
+
+def test_reproduce_command_prints_only_what_differs_from_the_defaults():
+    """Params come back from MLflow as text: a default logged as 'false' or 'all-linear' is not printed,
+    a changed value is, quoted for the shell."""
+    from slmsql.card import command
+
+    params = {"dynamic_sampling": "false", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
+              "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1"}
+    lines = command("grpo", params).split(" \\\n    ")
+    assert lines[0] == "slmsql grpo"
+    assert sorted(lines[1:]) == ["--data 'my band.jsonl'", "--max-steps 40", "--trainer-args warmup_ratio=0.1"]

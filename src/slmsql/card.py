@@ -79,7 +79,7 @@ def _num(value):
 def command(stage: str, params: dict) -> str:
     """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default."""
     cls = configs.STAGES[stage]
-    defaults = dataclasses.asdict(cls())
+    defaults = cls()
     lines = [f"slmsql {stage}"]
     for f in dataclasses.fields(cls):
         if f.name in ("overwrite", "resume", "run_name", "experiment"):
@@ -90,7 +90,8 @@ def command(stage: str, params: dict) -> str:
                       for k, v in sorted(params.items()) if k.startswith("trainer_args.")]
             continue
         value = params.get(f.name)
-        if value is not None and str(value) != str(defaults[f.name]):
+        # compared as parameter text: a logged 'false' or 'all-linear' is the default False or ['all-linear']
+        if value is not None and str(value) != configs.param_text(getattr(defaults, f.name)):
             lines.append(f"{flag} {shlex.quote(str(value))}")
     return " \\\n    ".join(lines)
 
