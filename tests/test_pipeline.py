@@ -107,7 +107,7 @@ def _runs(uri):
 def test_every_run_describes_its_result_in_documented_names(lifecycle):
     from slmsql import tracking, vocabulary
 
-    uri, root, run = lifecycle
+    uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, children = _runs(uri)
     assert "Metric vocabulary" in exp.tags[tracking.NOTE]
@@ -133,7 +133,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
 
 
 def test_lineage_run_uris_and_dataset_inputs(lifecycle):
-    uri, root, run = lifecycle
+    uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, _, parent, c = _runs(uri)
     for r in c.values():  # what a step took from another run is that run's URI, not this machine's copy

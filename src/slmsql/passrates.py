@@ -37,7 +37,7 @@ def question_rows(examples, completions: dict[str, list[str]], *, db_root, k: in
             continue
         n = sum(o.correct for o in outs)
         rows.append({**row, "n_correct": n, "pass_rate": n / k, "bucket": bucket(n, k, low, high),
-                     "statuses": [("correct" if o.correct else o.status) for o in outs]})
+                     "statuses": [o.outcome for o in outs]})
     return rows
 
 
