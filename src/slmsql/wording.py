@@ -9,8 +9,11 @@ def pct(x) -> str:
 
 
 def pts(x) -> str:
-    """A signed difference in points, with a true minus sign."""
-    return "n/a" if x is None else f"{100 * x:+.1f}".replace("-", "−")
+    """A signed difference in points, with a true minus sign; a difference that rounds to 0 is "0.0" (not −0.0)."""
+    if x is None:
+        return "n/a"
+    v = round(100 * x, 1)
+    return "0.0" if v == 0 else f"{v:+.1f}".replace("-", "−")
 
 
 def pval(p) -> str:
