@@ -204,7 +204,7 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     assert [r.data.params["engine"] for r in runs] == ["local", "ray"]
 
 
-def left_holding(root: Path, wait_s: float = 30) -> list[int]:
+def left_holding(root: Path, wait_s: float = 60) -> list[int]:
     """Processes (none of them this one) that still hold a database under `root` open after up to `wait_s`:
     sandbox workers a killed actor or driver left behind (Ray ends a finished run's actors a little late)."""
     deadline = time.monotonic() + wait_s
