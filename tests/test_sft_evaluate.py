@@ -315,3 +315,13 @@ def test_db_id_outside_db_root_is_refused(tmp_path):
     assert result.exit_code == 2, result.output
     assert f"{data}:2: field 'db_id': " in result.output and "'../../x'" in result.output
     assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_model_that_does_not_load_fails_before_any_output_or_run(tmp_path):
+    """A wrong --model path stops evaluate before its output folder or an MLflow run exists."""
+    args = ["evaluate", "--data", str(EXAMPLES / "gold.jsonl"), "--db-root", str(EXAMPLES / "databases"),
+            "--model", str(tmp_path / "no-such-model"), "--output-dir", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "no-such-model" in result.output, result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    assert mlflow.search_runs(search_all_experiments=True, output_format="list") == []
