@@ -19,7 +19,7 @@ from pathlib import Path
 from . import configs
 from .hub import hub_id, same_model
 from .errors import SlmsqlError
-from .wording import pct, points, pts, pval
+from .wording import duration, pct, points, pts, pval
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
 VERDICTS = ("improved", "regressed", "no significant difference")
@@ -163,20 +163,13 @@ def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -
     return text + _signal(telemetry)
 
 
-# --- formatting, also used as Jinja filters (pct, pts, pval, points: slmsql.wording) -----------------------
+# --- formatting, also used as Jinja filters (pct, pts, pval, points, duration: slmsql.wording) -------------
 def mdd(x) -> str:
     return "none at this n" if x is None or not math.isfinite(x) else f"{100 * x:.1f} points"
 
 
 def num(x, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}g}"
-
-
-def duration(seconds) -> str:
-    if seconds is None:
-        return "n/a"
-    h, m = divmod(round(seconds / 60), 60)
-    return f"{h} h {m} min" if h else f"{m} min" if m else f"{seconds:.0f} s"
 
 
 def md(text) -> str:

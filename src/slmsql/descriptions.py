@@ -6,11 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .tracking import describe, numeric, param_value
-from .wording import pct, pts, pval
-
-
-def _duration(seconds) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+from .wording import duration, pct, pts, pval
 
 
 def evaluation_note(metrics: dict, dataset: str, match: str, comparison: dict | None = None,
@@ -52,14 +48,14 @@ def grpo_note(summary: dict) -> str:
              f"reward {s('reward'):.3g}, reward std {s('reward_std'):.3g}" if s("reward") is not None
              and s("reward_std") is not None else None,
              f"{s('exec/correct'):.0%} of sampled completions correct" if s("exec/correct") is not None else None]
-    return (f"GRPO, {summary.get('steps', 0):.0f} steps in {_duration(summary.get('train_seconds', 0))}. {verdict}\n"
+    return (f"GRPO, {summary.get('steps', 0):.0f} steps in {duration(summary.get('train_seconds', 0))}. {verdict}\n"
             + "; ".join(f for f in facts if f) + ".")
 
 
 def sft_note(summary: dict, model: str) -> str:
     kind = "LoRA adapter" if summary["kind"] == "adapter" else "full fine-tune"
     return (f"SFT ({kind}) of {param_value(model)}: {summary['steps']} steps on {summary['examples']} "
-            f"examples in {_duration(summary['train_seconds'])}; train loss {summary['train_loss']:.3g}.")
+            f"examples in {duration(summary['train_seconds'])}; train loss {summary['train_loss']:.3g}.")
 
 
 def toy_note(summary: dict) -> str:

@@ -1,5 +1,5 @@
-"""Numbers in words: how a rate, a difference in points and a p-value are written, the same in the model card
-(as Jinja filters) and in the MLflow run descriptions."""
+"""Numbers in words: how a rate, a difference in points, a p-value and a duration are written, the same in
+the model card (as Jinja filters) and in the MLflow run descriptions."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def pval(p) -> str:
 def points(x) -> str:
     """A spread in points, unsigned."""
     return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def duration(seconds) -> str:
+    """Seconds under 90 s, else whole minutes (and hours)."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    h, m = divmod(round(seconds / 60), 60)
+    return f"{h} h {m} min" if h else f"{m} min"
