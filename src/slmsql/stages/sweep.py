@@ -28,6 +28,7 @@ from ..configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, par
 from ..data import read_jsonl, write_json
 from ..errors import DataError, SlmsqlError
 from ..outputs import Staged
+from ..wording import pct
 from ..workflow import project_path
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def wide_table(rep: dict):
 
 
 def markdown(rep: dict) -> str:
-    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    # ASCII signs and 3-decimal p: the terminal table README's "A toy study" reproduces (the card uses wording's)
     pts = lambda x: "n/a" if x is None else f"{100 * x:+.1f}"  # noqa: E731
     pv = lambda p: "< 0.001" if p < 0.001 else f"{p:.3f}"  # noqa: E731
     level = f"{1 - rep['alpha']:.0%}"
