@@ -273,13 +273,15 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
     MLflow run, and ends with the local engine's files."""
     data, ref, ref_metrics = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial" / "passrates.jsonl"
-    opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_address": local_ray}
+    # One question per scoring batch: rows reach the driver one actor call apart, not in a burst that could all
+    # be written between two polls (it happened: the scorer ran ahead while the driver was busy, 41 of 41 written).
+    opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_score_batch": 1, "ray_address": local_ray}
     proc = subprocess.Popen([sys.executable, "-m", "slmsql.cli", "filter", *cli_args(opts)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while lines(partial) == 0 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.005)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
