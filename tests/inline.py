@@ -4,7 +4,7 @@ Not for library use: `PRAGMA hard_heap_limit` is process-wide, so in-process exe
 connection of the test process too.
 """
 
-from slmsql.sandbox import Limits, execute
+from slmsql.sandbox import Limits, Whole, execute
 
 
 class InlineExecutor:
@@ -14,13 +14,13 @@ class InlineExecutor:
         self.limits, self._gold = limits, {}
 
     def run(self, jobs):
-        return [execute(db, sql, self.limits) for db, sql in jobs]
+        return [execute(db, sql, self.limits, *whole) for db, sql, *whole in jobs]
 
     def run_gold(self, jobs):
         out = []
         for job in jobs:
             if job not in self._gold:
-                self._gold[job] = execute(*job, self.limits)
+                self._gold[job] = execute(*job, self.limits, Whole())
             out.append(self._gold[job])
         return out
 

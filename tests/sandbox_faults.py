@@ -10,9 +10,9 @@ import time
 from slmsql import sandbox
 
 
-def faulty_run(db_file, sql, limits):
+def faulty_run(db_file, sql, limits, whole=None):
     if sql == "-- slmsql-test: crash":
         os._exit(70)
     if sql == "-- slmsql-test: hang":
         time.sleep(60)  # the parent kills it long before; bounded in case the parent dies first
-    return sandbox._run(db_file, sql, limits)
+    return sandbox._run(db_file, sql, limits, whole)

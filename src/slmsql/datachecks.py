@@ -195,9 +195,9 @@ def _gold_ok(df, ctx):
         jobs = [(str(db_path(ctx["db_root"], df["db_id"].iat[i])), sqls.iat[i]) for i in todo]
         with SandboxPool(min(os.cpu_count() or 1, 1 + len(jobs) // 32)) as pool:
             for i, r in zip(todo, pool.run_gold(jobs)):
-                # "truncated" ran, but a result over the row cap cannot be compared: not a usable gold.
+                # "truncated": a result over the digest budget cannot be compared (scoring's gold_too_large).
                 values[i] = r.status == "ok"
-                details[i] = None if values[i] else f"{r.status}: {r.error or 'more rows than the row cap'}"
+                details[i] = None if values[i] else f"{r.status}: {r.error}"
     return values, details
 
 

@@ -2,7 +2,8 @@
 
 Pass rate counts execution *matches*, not the shaped reward. Every question lands in exactly one bucket: band
 (low < p < high), all_fail (0/K), all_pass (K/K), out_of_band "n/K" (e.g. 1/8 and 7/8 with the seed's 0.2/0.8
-band: a three-bucket report silently drops them), or errors (missing database, gold that does not execute).
+band: a three-bucket report silently drops them), or errors (missing database, gold that does not execute or
+whose result is over the sandbox's digest budget).
 `question_rows` is the per-question work both engines (`engines`) run; `load_finished` the resume rule.
 """
 
@@ -23,7 +24,7 @@ def question_rows(examples, completions: dict[str, list[str]], *, db_root, k: in
     """One passrates row per example, in order. `completions` maps id -> K completions; an example without
     them had no database (the generation step skips those)."""
     from .data import db_path
-    from .scoring import outcomes
+    from .scoring import GOLD_STATUSES, outcomes
 
     rows = []
     for e in examples:
@@ -32,7 +33,7 @@ def question_rows(examples, completions: dict[str, list[str]], *, db_root, k: in
             rows.append({**row, "bucket": "errors", "error": "missing database"})
             continue
         outs = outcomes(completions[e.id], [e.sql] * k, [str(db_path(db_root, e.db_id))] * k, executor, match)
-        if outs[0].status == "gold_error":
+        if outs[0].status in GOLD_STATUSES:
             rows.append({**row, "bucket": "errors", "error": outs[0].error})
             continue
         n = sum(o.correct for o in outs)

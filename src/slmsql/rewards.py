@@ -5,7 +5,8 @@ TRL calls `fn(prompts, completions, completion_ids, trainer_state, **dataset_col
 Completions come as plain strings or, for conversational data, as [{"role": "assistant", "content": ...}].
 
 execution: 1.0 when the extracted SQL runs and matches gold, `runs` (0.1) when it runs but is wrong,
-           0.0 otherwise (error, timeout, truncated, rejected, no SQL). The shape Arctic-Text2SQL-R1 uses.
+           0.0 otherwise (error, timeout, truncated, rejected, no SQL, and a gold that cannot be compared:
+           gold_error, gold_too_large). The shape Arctic-Text2SQL-R1 uses.
 format:    0.2 when the completion holds a closed ```sql block.
 Dataset columns used: `sql` (gold) and `db_path` (the SQLite file).
 """

@@ -4,8 +4,11 @@ Layers: a read-only URI connection; a whitelist authorizer (SELECT,
 READ, FUNCTION, RECURSIVE) that also stops ATTACH / VACUUM INTO, PRAGMA, temp tables and writes;
 SQLITE_LIMIT_ATTACHED=0 as a second lock on ATTACH; LENGTH limits against giant blobs; temp_store=MEMORY
 with a hard heap limit so big sorts fail with MemoryError instead of filling the disk; a progress-handler
-deadline; at most `row_cap` rows and `heap_bytes` of text/blob per result. `SandboxPool` adds RLIMIT_AS
-per worker, crash isolation and a hard kill of any job that outlives its deadline inside one opcode.
+deadline; at most `row_cap` rows and `heap_bytes` of text/blob per result held as values. A job may ask for
+the `Whole` result instead: past `row_cap` rows it is read on as value digests (matching.Digests, 8 bytes a
+value) up to `digest_bytes`, and a prediction stops as soon as it can no longer match its gold. `SandboxPool`
+adds RLIMIT_AS per worker, crash isolation and a hard kill of any job that outlives its deadline inside one
+opcode.
 
 Note: `PRAGMA hard_heap_limit` is process-wide, so `execute()` in-process also caps every other SQLite
 connection of the calling process; the pool keeps it inside its workers.
@@ -29,6 +32,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Iterable
 
+from .matching import DIGEST_SIZE, Digests, digest_row
+
 STATUSES = ("ok", "error", "timeout", "truncated", "rejected")
 KILL_GRACE_S = 0.5        # pool: a job still running at deadline + grace gets its worker SIGKILLed
 MAX_CHUNK = 64            # jobs per task sent to a worker: amortises IPC, bounds imbalance
@@ -51,7 +56,7 @@ _SIZED = {str, bytes}
 @dataclass(frozen=True)
 class ExecResult:
     status: str               # one of STATUSES
-    rows: tuple | None        # tuple of row tuples when status in (ok, truncated), else None
+    rows: tuple | Digests | None  # row tuples (ok, truncated), Digests (ok past row_cap on a Whole read), else None
     error: str | None         # SQLite's message (error), reason (rejected/timeout), None when ok
     elapsed_ms: float
 
@@ -63,11 +68,21 @@ class ExecResult:
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 5.0
-    row_cap: int = 10_000
+    row_cap: int = 10_000            # rows held as values; a Whole read goes on past them as digests
     max_sql_chars: int = 100_000
     heap_bytes: int = 256 << 20
     max_length: int = 10_000_000
     worker_memory_bytes: int = 2 << 30
+    digest_bytes: int = 32 << 20     # a Whole result's digests: 4,194,304 values (e.g. 1M rows of 4 columns)
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A job's optional third element: read the whole result, but a prediction no further than it can still
+    match its gold: `rows` (spider: more rows than the gold's multiset) or `distinct` (bird: more distinct rows
+    than the gold's set; then only distinct rows are kept). Neither: a gold, read to the digest budget."""
+    rows: int | None = None
+    distinct: int | None = None
 
 
 class _Guard:
@@ -134,7 +149,34 @@ def _fetch(cur, limits: Limits):
     return rows
 
 
-def _run(db_file, sql, limits: Limits) -> tuple:
+def _read_on(cur, rows: list, limits: Limits, whole: Whole) -> tuple[str, Digests | None, str | None]:
+    """The rest of a Whole result past row_cap, as digests -> (status, Digests or None, why it stopped)."""
+    seen = set() if whole.distinct is not None else None  # bird: only distinct rows count, and are kept
+    data, n = bytearray(), 0
+    bound, what = (whole.distinct, "distinct rows") if seen is not None else (whole.rows, "rows")
+    width = len(cur.description)
+    budget = limits.digest_bytes // (DIGEST_SIZE * max(1, width))  # rows that fit the digest budget
+    # Values are dropped once digested, so only a batch is held: small enough that max_length values fit heap_bytes.
+    step = max(1, min(4096, limits.heap_bytes // (limits.max_length * max(1, width))))
+    while rows:
+        for row in rows:
+            d = digest_row(row)
+            if seen is not None:
+                if d in seen:
+                    continue
+                seen.add(d)
+            else:
+                data += d
+            n += 1
+        if bound is not None and n > bound:  # memory stays within the gold's size, and a cross join ends here
+            return "truncated", None, f"more {what} than the gold's {bound:,}: cannot match"
+        if n > budget:
+            return "truncated", None, f"more than {budget:,} rows: over the digest budget ({limits.digest_bytes:,} bytes)"
+        rows = cur.fetchmany(step)
+    return "ok", Digests(n, width, b"".join(seen) if seen is not None else bytes(data)), None
+
+
+def _run(db_file, sql, limits: Limits, whole: Whole | None = None) -> tuple:
     """One query -> (status, rows, error, elapsed_ms): plain tuples are cheap to send between processes."""
     t0 = time.perf_counter()
 
@@ -157,9 +199,11 @@ def _run(db_file, sql, limits: Limits) -> tuple:
         if cur.description is None:
             return out("rejected", error="not a query")
         rows = _fetch(cur, limits)
-        if len(rows) > limits.row_cap:
+        if len(rows) <= limits.row_cap:
+            return out("ok", tuple(rows))
+        if whole is None:
             return out("truncated", tuple(rows[: limits.row_cap]))
-        return out("ok", tuple(rows))
+        return out(*_read_on(cur, rows, limits, whole))
     except MemoryError:
         cur = None
         _drop(path)
@@ -183,9 +227,9 @@ def _run(db_file, sql, limits: Limits) -> tuple:
                 pass
 
 
-def execute(db_file, sql: str, limits: Limits = Limits()) -> ExecResult:
+def execute(db_file, sql: str, limits: Limits = Limits(), whole: Whole | None = None) -> ExecResult:
     """Run one query in this process on a cached read-only connection. Never raises."""
-    return ExecResult(*_run(db_file, sql, limits))
+    return ExecResult(*_run(db_file, sql, limits, whole))
 
 
 # ----------------------------------------------------------------------------------------------- pool
@@ -243,11 +287,11 @@ def _init_worker(limits: Limits, slots, counter, runner, owner: int | None = Non
 def _run_chunk(chunk: list) -> list:
     limits, slots, s, runner = (_worker[k] for k in ("limits", "slots", "slot", "runner"))
     out = []
-    for job_id, db_file, sql in chunk:
+    for job_id, db_file, sql, *whole in chunk:
         # Write order matters: the parent trusts `start` only when it reads the same job id around it.
         slots[s + 2] = time.monotonic()
         slots[s + 1] = job_id
-        out.append(runner(db_file, sql, limits))
+        out.append(runner(db_file, sql, limits, *whole))
         slots[s + 1] = -1
     return out
 
@@ -280,19 +324,21 @@ class SandboxPool:
         self.rebuilds = 0  # how often a dead worker forced a new pool (for logs and tests)
 
     # -- public
-    def run(self, jobs: Iterable[tuple[str, str]]) -> list[ExecResult]:
-        """Execute (db_file, sql) jobs; identical jobs in one call run once."""
-        keys = [(os.fspath(db), sql) for db, sql in jobs]
+    def run(self, jobs: Iterable[tuple]) -> list[ExecResult]:
+        """Execute (db_file, sql) or (db_file, sql, Whole) jobs; identical jobs in one call run once."""
+        keys = [(os.fspath(db), *rest) for db, *rest in jobs]
         unique = list(dict.fromkeys(keys))
         done = dict(zip(unique, self._execute(unique)))
         return [done[k] for k in keys]
 
     def run_gold(self, jobs) -> list[ExecResult]:
-        """Like run(), but results are cached by (db_file, sql) for the life of the pool."""
+        """(db_file, sql) jobs read Whole, cached for the life of the pool; a result held as digests is not
+        cached (it re-runs in the next call that needs it), so the cache holds at most row_cap rows a gold."""
         keys = [(os.fspath(db), sql) for db, sql in jobs]
         missing = [k for k in dict.fromkeys(keys) if k not in self._gold]
-        self._gold.update(zip(missing, self._execute(missing)))
-        return [self._gold[k] for k in keys]
+        done = dict(zip(missing, self._execute([(*k, Whole()) for k in missing])))
+        self._gold.update((k, r) for k, r in done.items() if not isinstance(r.rows, Digests))
+        return [self._gold.get(k) or done[k] for k in keys]
 
     def close(self):
         if self._pool is not None:

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from .data import Example, db_path
 from .extract import completion_text, extract_sql
-from .matching import results_match
-from .sandbox import ExecResult
+from .matching import Digests, results_match
+from .sandbox import ExecResult, Whole
 
-# Per-example statuses: the sandbox's five, plus two that never reach SQLite.
-STATUSES = ("ok", "error", "timeout", "truncated", "rejected", "no_sql", "gold_error")
+# Per-example statuses: the sandbox's five, plus three that never run the prediction.
+STATUSES = ("ok", "error", "timeout", "truncated", "rejected", "no_sql", "gold_error", "gold_too_large")
+# The gold cannot be compared with: the question is not scorable (the filter's `errors` bucket).
+GOLD_STATUSES = ("gold_error", "gold_too_large")
 
 
 @dataclass(frozen=True)
@@ -31,15 +33,28 @@ def outcome_name(correct: bool, status: str) -> str:
     return "correct" if correct else ("wrong_result" if status == "ok" else status)
 
 
+def read_to(gold_rows, match: str) -> Whole:
+    """How far a prediction is read: whole, but no further than it can still match this gold. Value rows
+    bound bird's distinct rows by their count (no need to normalise them: any prediction is read as values
+    to row_cap anyway)."""
+    if match == "spider":
+        return Whole(rows=len(gold_rows))
+    return Whole(distinct=gold_rows.distinct if isinstance(gold_rows, Digests) else len(gold_rows))
+
+
 def judge(items, executor, match: str = "bird") -> list[Outcome]:
-    """items: (db_file, predicted sql or None, gold sql). Gold runs once per (db, sql) via the cache."""
+    """items: (db_file, predicted sql or None, gold sql). Gold runs once per (db, sql) via the cache; a
+    prediction runs only against a gold that ran, and is read as far as it can still match it."""
     items = list(items)
     golds = executor.run_gold([(str(db), gold) for db, _, gold in items])
-    todo = [i for i, (_, pred, _) in enumerate(items) if pred is not None]
-    preds = dict(zip(todo, executor.run([(str(items[i][0]), items[i][1]) for i in todo])))
+    todo = [i for i, (_, pred, _) in enumerate(items) if pred is not None and golds[i].status == "ok"]
+    preds = dict(zip(todo, executor.run([(str(items[i][0]), items[i][1], read_to(golds[i].rows, match))
+                                         for i in todo])))
     out = []
     for i, ((_, pred, gold_sql), gold) in enumerate(zip(items, golds)):
-        if gold.status != "ok":
+        if gold.status == "truncated":  # a Whole read stops a gold only at the digest budget
+            out.append(Outcome(False, "gold_too_large", f"gold {gold.error}"))
+        elif gold.status != "ok":
             out.append(Outcome(False, "gold_error", f"gold {gold.status}: {gold.error}"))
         elif pred is None:
             out.append(Outcome(False, "no_sql"))

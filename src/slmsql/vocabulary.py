@@ -12,7 +12,7 @@ import re
 from .tracking import numeric
 
 OUTCOME_STATUSES = ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql", "missing",
-                    "gold_error")
+                    "gold_error", "gold_too_large")
 TRL_NAMES = ("loss", "grad_norm", "learning_rate", "epoch", "entropy", "num_tokens", "mean_token_accuracy", "kl",
              "aux_loss", "policy_loss", "entropy_coef", "cispo_clip_ratio", "step_time", "train_runtime",
              "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
@@ -42,8 +42,9 @@ VOCABULARY = [
     ("ex_<difficulty>", ("evaluate",), "`ex` on the questions of one difficulty (simple, moderate, challenging)"),
     ("n_<difficulty>", ("evaluate",), "questions of that difficulty"),
     ("exec/<status>", ("evaluate", "grpo"),
-     "share of answers with this outcome: correct, wrong_result (ran, other rows), error, timeout, truncated, "
-     "rejected (by the sandbox), no_sql, missing (no prediction), gold_error; per question (evaluate), per sampled "
+     "share of answers with this outcome: correct, wrong_result (ran, other rows), error, timeout, truncated "
+     "(stopped: more rows than can match the gold), rejected (by the sandbox), no_sql, missing (no prediction), "
+     "gold_error, gold_too_large (gold over the digest budget); per question (evaluate), per sampled "
      "completion at each step (grpo). Tables name outcomes the same way (`status`)"),
     ("baseline/ex", ("evaluate",), "`ex` of the baseline run (`--baseline-run`) on the same questions"),
     ("baseline/ex_ci_low", ("evaluate",), "lower bound of the baseline's Wilson interval at confidence 1 − α"),
