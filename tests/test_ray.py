@@ -8,7 +8,7 @@
   a driver SIGKILLed mid-run resumes from the questions it had finished, in the same MLflow run.
 
 Starting Ray costs ~10 s on 2 cores, so the in-process tests share one local Ray (module fixture). Where Ray
-is not installed the module is skipped, except under CI=true (.ci/run installs the `ray` extra): it fails.
+is not installed the module is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci; .ci/run installs the `ray` extra): it fails.
 
 Loopback only: Ray resolves 127.0.0.1 to the machine's address and binds on all interfaces unless
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its single-machine mode, read when `ray` is first imported), set here
@@ -36,6 +36,7 @@ import secrets
 import mlflow
 import psutil
 import pytest
+from ci_env import in_ci
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -47,7 +48,7 @@ if "ray" not in sys.modules:  # before the first `import ray` of this process, w
 try:
     import ray
 except ImportError:
-    if os.environ.get("CI") == "true":
+    if in_ci():
         pytest.fail("Ray is not installed; under CI this module must run (.ci/run installs the ray extra)",
                     pytrace=False)
     pytest.skip("Ray is not installed (pip install -e '.[ray]')", allow_module_level=True)

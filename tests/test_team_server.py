@@ -2,7 +2,7 @@
 `slmsql server --backend-store-uri postgresql+psycopg2://...`, served artifacts), one stage tracked on it, read back.
 
 Everything listens on 127.0.0.1 only. Not covered: an S3/MinIO artifact store, an auth proxy, several users.
-Where PostgreSQL is not installed the test is skipped, except under CI=true, where it fails: `.ci/run`
+Where PostgreSQL is not installed the test is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci), where it fails: `.ci/run`
 installs Debian's package, so a skip there would hide a broken set-up.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ci_env import in_ci
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -30,7 +31,7 @@ USER, DB = "slmsql", "mlflow"
 
 
 def unavailable(reason: str):
-    if os.environ.get("CI") == "true":
+    if in_ci():
         pytest.fail(f"{reason}; under CI this test must run (.ci/run installs Debian's postgresql)")
     pytest.skip(reason)
 
