@@ -8,7 +8,8 @@
   a driver SIGKILLed mid-run resumes from the questions it had finished, in the same MLflow run.
 
 Starting Ray costs ~10 s on 2 cores, so the in-process tests share one local Ray (module fixture). Where Ray
-is not installed the module is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci; .ci/run installs the `ray` extra): it fails.
+is not installed the module is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci; .ci/run installs
+the `ray` extra): it fails.
 
 Loopback only: Ray resolves 127.0.0.1 to the machine's address and binds on all interfaces unless
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its single-machine mode, read when `ray` is first imported), set here

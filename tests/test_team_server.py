@@ -2,8 +2,8 @@
 `slmsql server --backend-store-uri postgresql+psycopg2://...`, served artifacts), one stage tracked on it, read back.
 
 Everything listens on 127.0.0.1 only. Not covered: an S3/MinIO artifact store, an auth proxy, several users.
-Where PostgreSQL is not installed the test is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci), where it fails: `.ci/run`
-installs Debian's package, so a skip there would hide a broken set-up.
+Where PostgreSQL is not installed the test is skipped, except under CI (`CI` true, True or 1: ci_env.in_ci),
+where it fails: `.ci/run` installs Debian's package, so a skip there would hide a broken set-up.
 """
 
 import contextlib
