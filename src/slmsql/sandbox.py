@@ -171,7 +171,8 @@ def _read_on(cur, rows: list, limits: Limits, whole: Whole) -> tuple[str, Digest
         if bound is not None and n > bound:  # memory stays within the gold's size, and a cross join ends here
             return "truncated", None, f"more {what} than the gold's {bound:,}: cannot match"
         if n > budget:
-            return "truncated", None, f"more than {budget:,} rows: over the digest budget ({limits.digest_bytes:,} bytes)"
+            return "truncated", None, (f"more than {budget:,} rows: over the digest budget "
+                                       f"({limits.digest_bytes:,} bytes)")
         rows = cur.fetchmany(step)
     return "ok", Digests(n, width, b"".join(seen) if seen is not None else bytes(data)), None
 
