@@ -88,3 +88,20 @@ def test_group_of_runs_and_fails_has_reward_std_but_no_correctness_signal(shop):
                                  log_metric=metrics.__setitem__, **cols)
     assert r == [0.1, 0.0]  # reward std > 0 ...
     assert metrics["exec/frac_groups_correctness_varies"] == 0.0  # ... but no correctness signal
+
+
+def test_a_gold_too_large_pays_nothing_and_is_counted(shop):
+    """A gold over the sandbox's digest budget: every answer is wrong (even the gold itself), and the step's
+    telemetry names it, so the shares of the outcomes still sum to 1."""
+    from slmsql.sandbox import Limits
+
+    db = str(shop / "shop" / "shop.sqlite")
+    small = InlineExecutor(Limits(row_cap=2, digest_bytes=8 * 3))  # 2 rows as values, 3 values as digests
+    big, fits = "SELECT name FROM item", "SELECT name FROM item WHERE id < 4"  # 4 rows; 3 rows
+    comps = [f"```sql\n{big}\n```", f"```sql\n{fits}\n```"]
+    metrics = {}
+    r = rewards.execution_reward(None, comps, sql=[big, fits], db_path=[db] * 2, executor=small, id=["a", "b"],
+                                 log_metric=metrics.__setitem__)
+    assert r == [0.0, 1.0]
+    assert metrics["exec/gold_too_large"] == 0.5 and metrics["exec/correct"] == 0.5
+    assert sum(v for k, v in metrics.items() if k != "exec/frac_groups_correctness_varies") == 1.0

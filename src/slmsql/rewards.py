@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .errors import SlmsqlError
 from .extract import completion_text, has_sql_block
-from .scoring import Outcome, outcomes
+from .scoring import STATUSES, Outcome, outcomes
 
 
 class RewardError(SlmsqlError, ValueError):
@@ -45,8 +45,8 @@ def telemetry(outs: list[Outcome], group_ids) -> dict[str, float]:
     correctness; only groups with both right and wrong answers carry that signal."""
     n = len(outs)
     names = [o.outcome for o in outs]
-    m = {f"exec/{s}": names.count(s) / n
-         for s in ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql")}
+    # every outcome (scoring.STATUSES, `ok` split into correct and wrong_result): each step's shares sum to 1
+    m = {f"exec/{s}": names.count(s) / n for s in ("correct", "wrong_result", *STATUSES[1:])}
     groups: dict = {}
     for gid, o in zip(group_ids, outs):
         groups.setdefault(gid, set()).add(o.correct)
