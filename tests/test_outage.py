@@ -71,6 +71,27 @@ def test_records_sent_twice_are_stored_once(tmp_path):
     assert [f.path for f in client.list_artifacts(run_id, "policy")] == ["policy/weights.bin"]
 
 
+def test_what_an_earlier_attempt_left_goes_before_the_run_restarts(tmp_path):
+    """A crash while the server was away left the run's FAILED end in the outbox; the resumed attempt sends it
+    before restarting the run, so it cannot land after the restart and end the resumed run."""
+    folder = tmp_path / "out.outbox"
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        box.log_metrics({"loss": 1.0}, step=1)
+        box.end_run("FAILED")
+    run_id, client = run.info.run_id, mlflow.MlflowClient()
+    with durable.Outbox(folder, wait=60) as box, \
+            tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
+        assert durable.load(folder)[0] == []  # a fresh outbox: the earlier records are already in the store
+        assert client.get_run(run_id).info.status == "RUNNING"
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
+        box.log_metrics({"loss": 0.5}, step=2)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert not folder.exists()
+
+
 def test_a_record_cut_short_by_a_crash_is_dropped(tmp_path):
     folder = tmp_path / "out.outbox"
     with mlflow.start_run() as run:

@@ -77,15 +77,22 @@ class Outbox:
         self._error: Exception | None = None  # the last failure, while the server does not answer
         self._thread: threading.Thread | None = None
 
+    def send_earlier(self) -> None:
+        """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
+        attempt's run starts: a resumed run's earlier end must not arrive after it restarts."""
+        if (self.folder / "meta.json").is_file():
+            n, _ = sync(self.folder)
+            log.info("sent %d tracking record(s) an earlier attempt left in %s", n, self.folder)
+
     # --- the stage's side: append a record; never waits for the server ------------------------------------
     def start(self, run_id: str, background: bool = True) -> None:
         import mlflow
 
         self.run_id = run_id
         (self.folder / "files").mkdir(parents=True, exist_ok=True)
-        meta = self.folder / "meta.json"
-        if not meta.exists():  # where the records go (a folder left by an earlier attempt keeps its own)
-            meta.write_text(json.dumps({"tracking_uri": mlflow.get_tracking_uri()}), encoding="utf-8")
+        # where the records go (`sync` reads it); a folder an earlier attempt left was emptied by send_earlier
+        (self.folder / "meta.json").write_text(json.dumps({"tracking_uri": mlflow.get_tracking_uri()}),
+                                               encoding="utf-8")
         self._records, self._sent = load(self.folder)
         if background:
             self._thread = threading.Thread(target=self._send_loop, name="slmsql-outbox", daemon=True)

@@ -54,8 +54,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
     the world size and the launcher.
 
     `outbox` (a durable.Outbox; the training stages): what the stage logs through it once the run has started,
-    and the run's end, reach the server in order even across an outage (durable.py). Starting the run still
-    needs the server: it fails at once when the server does not answer."""
+    and the run's end, reach the server in order even across an outage (durable.py); what an earlier attempt
+    left in it is sent first. Starting the run still needs the server: it fails at once when it does not answer."""
     import types
 
     import mlflow
@@ -68,6 +68,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
         return
     with distributed.sending() as send:
         configure()
+        if outbox is not None:
+            outbox.send_earlier()
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
