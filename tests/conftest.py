@@ -66,5 +66,14 @@ def _documented_metrics_only(monkeypatch):
         check(list(metrics))
         return log_metrics(metrics, *args, **kwargs)
 
+    from slmsql.durable import Outbox  # the training stages log through it (durable.py)
+
+    outbox_metrics = Outbox.log_metrics
+
+    def checked_outbox_metrics(self, metrics, *args, **kwargs):
+        check(list(metrics))
+        return outbox_metrics(self, metrics, *args, **kwargs)
+
     monkeypatch.setattr(mlflow, "log_metric", checked_metric)
     monkeypatch.setattr(mlflow, "log_metrics", checked_metrics)
+    monkeypatch.setattr(Outbox, "log_metrics", checked_outbox_metrics)

@@ -258,8 +258,8 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out")
     original = training.metrics_callback
 
-    def crashing():
-        base = original()
+    def crashing(*args):
+        base = original(*args)
 
         class CrashAfterCheckpoint(type(base)):
             def on_save(self, args, state, control, **kwargs):

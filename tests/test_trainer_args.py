@@ -29,8 +29,8 @@ def built_with(stage_main, cfg, uri):
     seen = []
     original = training.metrics_callback
 
-    def recording():
-        class Recording(type(original())):
+    def recording(outbox):
+        class Recording(type(original(outbox))):
             def on_train_begin(self, args, state, control, **kwargs):
                 seen.append(args)
 

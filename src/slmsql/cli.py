@@ -123,6 +123,17 @@ def server_cmd(host, port, store, backend_store_uri, artifacts):
         proc.wait(timeout=60)
 
 
+@main.command("sync-tracking")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+def sync_tracking_cmd(folder):
+    """Send the tracking records a training stage kept in FOLDER (`<output-dir>.outbox`) while its MLflow server
+    did not answer, in order; the run then ends as the stage ended it. FOLDER is deleted once all are sent."""
+    from .durable import sync
+
+    n, uri = sync(folder)
+    click.echo(f"sent {n} tracking record(s) to {uri}; removed {folder}")
+
+
 @main.command("runs")
 @click.option("--experiment", default="slmsql", show_default=True)
 @click.option("--limit", default=20, show_default=True, type=int)

@@ -42,7 +42,7 @@ def configure() -> str:
 
 @contextlib.contextmanager
 def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = None, run_id: str | None = None,
-              system_metrics: bool = False):
+              system_metrics: bool = False, outbox=None):
     """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
@@ -51,7 +51,11 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
-    the world size and the launcher."""
+    the world size and the launcher.
+
+    `outbox` (a durable.Outbox; the training stages): what the stage logs through it once the run has started,
+    and the run's end, reach the server in order even across an outage (durable.py); what an earlier attempt
+    left in it is sent first. Starting the run still needs the server: it fails at once when it does not answer."""
     import types
 
     import mlflow
@@ -64,6 +68,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
         return
     with distributed.sending() as send:
         configure()
+        if outbox is not None:
+            outbox.send_earlier()
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
@@ -79,7 +85,16 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             if new:  # params are immutable: a resumed run logs only what it has not logged yet
                 mlflow.log_params(new)
             send(run.info.run_id)
-            yield run
+            if outbox is None:
+                yield run
+                return
+            outbox.start(run.info.run_id)
+            try:
+                yield run
+            except BaseException:
+                outbox.end_run("FAILED")
+                raise
+            outbox.end_run("FINISHED")
 
 
 # --- inputs by run URI: params hold `runs:/<id>/<path>`, stages read a local copy --------------------------

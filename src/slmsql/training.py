@@ -66,38 +66,38 @@ def lora_config(cfg):
                       target_modules=targets, task_type="CAUSAL_LM")
 
 
-def metrics_callback():
-    """A transformers callback logging the trainer's metrics to the active MLflow run, and nothing else:
-    `report_to="mlflow"` would also log ~224 params (every training argument and model-config field)."""
+def metrics_callback(outbox):
+    """A transformers callback logging the trainer's metrics to the stage's run through its outbox (durable.py:
+    an outage loses none), and nothing else: `report_to="mlflow"` would also log ~224 params (every training
+    argument and model-config field)."""
     from transformers import TrainerCallback
 
     from .tracking import metric_name, numeric
 
     class MlflowMetrics(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            import mlflow
-
             if state.is_world_process_zero and logs:
-                mlflow.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
+                outbox.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
 
     return MlflowMetrics()
 
 
-def completions_logger(output_dir: Path, every: int, questions: dict | None = None, rewards: list[str] = ()):
-    """Ship TRL's per-step completions parquet to MLflow as a readable table every `every` steps
+def completions_logger(outbox, output_dir: Path, every: int, questions: dict | None = None,
+                       rewards: list[str] = ()):
+    """Ship TRL's per-step completions parquet to MLflow (through the stage's outbox) as a readable table
+    every `every` steps
     (`tables.completions_table`: question, extracted SQL, completion, gold SQL, status, rewards, advantage;
     `questions` maps a prompt's key to its Example).
 
     TRL writes `completions/completions_<step>.parquet` only after the callbacks' on_log for that step, so
     each on_log ships the files that exist by then (the last one at the end-of-training log). A `.logged`
-    marker keeps a resumed run from shipping a file twice: log_table appends to an existing artifact."""
+    marker keeps a resumed run from shipping a file twice (the outbox holds it from then on)."""
     from transformers import TrainerCallback
 
     from .tables import completions_table
 
     class CompletionsToMlflow(TrainerCallback):
         def _ship(self, state):
-            import mlflow
             import pandas as pd
 
             if not state.is_world_process_zero:
@@ -107,7 +107,7 @@ def completions_logger(output_dir: Path, every: int, questions: dict | None = No
                 if step % every or marker.exists():
                     continue
                 table = completions_table(pd.read_parquet(path), questions or {}, list(rewards))
-                mlflow.log_table(table, f"completions/step_{step:05d}.json")
+                outbox.log_table(table, f"completions/step_{step:05d}.json")
                 marker.touch()
 
         def on_log(self, args, state, control, **kwargs):

@@ -37,11 +37,10 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
 
 
 def main(cfg: GRPOStageConfig) -> dict:
-    import mlflow
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import descriptions, distributed, figures, grpo_variants, rewards, tables, tracking, training
+    from .. import descriptions, distributed, durable, figures, grpo_variants, rewards, tables, tracking, training
     from ..models import check_adapter_base, load_model, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -65,7 +64,11 @@ def main(cfg: GRPOStageConfig) -> dict:
     tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter,
             "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else "none"}
 
-    with st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id, system_metrics=True) as run, \
+    # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
+    # adapter is in its final folder (it exits last)
+    outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
+    with outbox, st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id, system_metrics=True,
+                                        outbox=outbox) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
         work, main = st.work, distributed.is_main()
@@ -95,8 +98,8 @@ def main(cfg: GRPOStageConfig) -> dict:
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,
-                          callbacks=[training.metrics_callback(),
-                                     training.completions_logger(work, cfg.completions_every, {
+                          callbacks=[training.metrics_callback(outbox),
+                                     training.completions_logger(outbox, work, cfg.completions_every, {
                                          tables.prompt_key(r["prompt"]): e for r, e in zip(rows, examples)},
                                          cfg.rewards)])
         training.quiet_progress(trainer)
@@ -116,13 +119,13 @@ def main(cfg: GRPOStageConfig) -> dict:
                 # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
                 record_stack(final, cfg.base_adapter, merged=not continue_adapter)
             write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
-            mlflow.log_metrics(summary)
-            tracking.describe(descriptions.grpo_note(summary))
+            outbox.log_metrics(summary)
+            outbox.set_tag(tracking.NOTE, descriptions.grpo_note(summary))
             if (curves := figures.training_curves(trainer.state.log_history)) is not None:
-                mlflow.log_figure(curves, "training_curves.png")
-            mlflow.log_artifacts(str(final), "adapter")
+                outbox.log_figure(curves, "training_curves.png")
+            outbox.log_artifacts(final, "adapter")
             write_json(work / "summary.json", summary)
-            mlflow.log_artifact(str(work / "summary.json"))
+            outbox.log_artifact(work / "summary.json")
     log.info("GRPO done: %s", json.dumps(summary))
     return summary
 

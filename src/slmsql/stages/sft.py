@@ -28,11 +28,10 @@ def conversations(cfg, examples) -> list[dict]:
 
 
 def main(cfg: SFTStageConfig) -> dict:
-    import mlflow
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, tracking, training
+    from .. import descriptions, distributed, durable, tracking, training
     from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
 
     # args: every check before any model loads
@@ -48,8 +47,12 @@ def main(cfg: SFTStageConfig) -> dict:
         warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
         gradient_checkpointing=False, dataloader_num_workers=0)
 
-    with st, tracking.stage_run("sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter},
-                                system_metrics=True):
+    # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
+    # policy is in its final folder (it exits last)
+    outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
+    with outbox, st, tracking.stage_run("sft", cfg, tags={"slmsql.model": cfg.model,
+                                                          "slmsql.base_adapter": cfg.base_adapter},
+                                        system_metrics=True, outbox=outbox):
         # data
         train = Dataset.from_list(conversations(cfg, examples))
         main = distributed.is_main()
@@ -61,7 +64,7 @@ def main(cfg: SFTStageConfig) -> dict:
         peft_config = training.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
         # trainer
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
-                             peft_config=peft_config, callbacks=[training.metrics_callback()])
+                             peft_config=peft_config, callbacks=[training.metrics_callback(outbox)])
         training.quiet_progress(trainer)
         t0 = time.time()
         result = trainer.train()
@@ -81,14 +84,14 @@ def main(cfg: SFTStageConfig) -> dict:
             if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
                 record_stack(work, cfg.base_adapter, merged=False)
             write_json(work / "sft_summary.json", summary)
-            mlflow.log_metrics(tracking.numeric(summary))
-            mlflow.set_tag("slmsql.policy_kind", summary["kind"])
-            tracking.describe(descriptions.sft_note(summary, cfg.model))
+            outbox.log_metrics(tracking.numeric(summary))
+            outbox.set_tag("slmsql.policy_kind", summary["kind"])
+            outbox.set_tag(tracking.NOTE, descriptions.sft_note(summary, cfg.model))
             for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
                 if f.is_file():
-                    mlflow.log_artifact(str(f), "policy")
+                    outbox.log_artifact(f, "policy")
                 elif f.name == STACK_BASE:
-                    mlflow.log_artifacts(str(f), f"policy/{STACK_BASE}")
+                    outbox.log_artifacts(f, f"policy/{STACK_BASE}")
     log.info("SFT done: %d steps in %.0f s, loss %.3f -> %s", summary["steps"], summary["train_seconds"],
              summary["train_loss"], cfg.output_dir)
     return summary

@@ -1,0 +1,331 @@
+"""Tracking that survives an outage: what a training stage logs once its run has started goes through an
+outbox on local disk, so a tracking server that goes away (a restart, a deploy, an OOM kill) costs the run
+nothing it measured, and training never waits for it.
+
+Each record (a step's metrics with their step and time, a tag, a table, an artifact, the run's end) is
+appended to `<folder>/records.jsonl`, the files it names linked or copied under `<folder>/files/`, before
+anything is sent. A thread sends the records in order, noting in `<folder>/sent` how many went through; while
+the server does not answer it retries with backoff and the records wait on disk. When the stage ends it waits
+up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it cannot, the records stay for
+`slmsql sync-tracking <folder>`.
+
+Once: a record whose answer was lost (stored by the server, timed out here) is sent again, so every record is
+idempotent at the server: metrics go with their original step and timestamp (the store keeps one point per
+key, step, timestamp and value), tags, tables and artifacts write the same value or file again, and the end
+sets the same status and end time. MLflow's own log_table appends to an existing table, so tables are
+written as files here instead.
+
+Why not MLflow's: its async logging queues metrics, params and tags in memory and drops a batch the server
+refuses (no artifacts, nothing kept on disk); its HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES) block the
+training loop for each call and give up after a few minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from .errors import SlmsqlError
+
+log = logging.getLogger(__name__)
+WAIT_ENV = "SLMSQL_TRACKING_WAIT_S"
+DEFAULT_WAIT_S = 300.0  # a server restart or deploy takes less; a GPU job should not hold its machine longer
+RETRY_S = (0.5, 10.0)  # backoff between attempts while the server does not answer: first, longest
+
+
+def folder_for(output_dir) -> Path:
+    """A stage's outbox: `<output_dir>.outbox`, beside the output folder (it outlives a failed stage)."""
+    out = Path(output_dir).resolve()
+    return out.with_name(out.name + ".outbox")
+
+
+def wait_s() -> float:
+    raw = os.environ.get(WAIT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_WAIT_S
+    except ValueError:
+        raise SlmsqlError(f"{WAIT_ENV}={raw!r} is not a number of seconds") from None
+
+
+def sync_command(folder) -> str:
+    return f"slmsql sync-tracking {folder}"
+
+
+class Refused(Exception):
+    """The server answered and refused a record: retrying will not help."""
+
+
+class Outbox:
+    """`with Outbox(folder_for(out)) as box:` around the stage's output folder and run; `stage_run(...,
+    outbox=box)` starts it on the run and ends the run through it. Only the main process of a launch starts it;
+    elsewhere it stays idle. On exit it waits (bounded) until everything is sent; if not, a stage that succeeded
+    fails with a message naming the folder and the command that sends it."""
+
+    def __init__(self, folder, wait: float | None = None):
+        self.folder = Path(folder)
+        self.wait = wait_s() if wait is None else wait
+        self.run_id: str | None = None
+        self._cond = threading.Condition()
+        self._records: list[dict] = []
+        self._sent = 0
+        self._stop = False
+        self._error: Exception | None = None  # the last failure, while the server does not answer
+        self._thread: threading.Thread | None = None
+
+    def send_earlier(self) -> None:
+        """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
+        attempt's run starts: a resumed run's earlier end must not arrive after it restarts."""
+        if (self.folder / "meta.json").is_file():
+            n, _ = sync(self.folder)
+            log.info("sent %d tracking record(s) an earlier attempt left in %s", n, self.folder)
+
+    # --- the stage's side: append a record; never waits for the server ------------------------------------
+    def start(self, run_id: str, background: bool = True) -> None:
+        import mlflow
+
+        self.run_id = run_id
+        (self.folder / "files").mkdir(parents=True, exist_ok=True)
+        # where the records go (`sync` reads it); a folder an earlier attempt left was emptied by send_earlier
+        (self.folder / "meta.json").write_text(json.dumps({"tracking_uri": mlflow.get_tracking_uri()}),
+                                               encoding="utf-8")
+        self._records, self._sent = load(self.folder)
+        if background:
+            self._thread = threading.Thread(target=self._send_loop, name="slmsql-outbox", daemon=True)
+            self._thread.start()
+
+    def log_metrics(self, metrics: dict, step: int = 0) -> None:
+        self._append({"kind": "metrics", "metrics": {k: float(v) for k, v in metrics.items()}, "step": int(step),
+                      "time": int(time.time() * 1000)})
+
+    def set_tag(self, key: str, value) -> None:
+        self._append({"kind": "tag", "key": key, "value": str(value)})
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        self._append({"kind": "artifact", "artifact_path": artifact_path}, source=Path(path))
+
+    def log_artifacts(self, folder, artifact_path: str | None = None) -> None:
+        self._append({"kind": "artifacts", "artifact_path": artifact_path}, source=Path(folder))
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        self._append({"kind": "artifact", "artifact_path": _parent(artifact_file)},
+                     write=lambda p: figure.savefig(p), name=Path(artifact_file).name)
+
+    def log_table(self, table, artifact_file: str) -> None:
+        """A pandas DataFrame as MLflow's table artifact (the JSON log_table writes), replaced, not appended."""
+        data = table.to_dict(orient="split")
+        self._append({"kind": "table", "artifact_file": artifact_file}, name=Path(artifact_file).name,
+                     write=lambda p: p.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8"))
+
+    def end_run(self, status: str) -> None:
+        """The run's end goes last into the outbox; here the run ends without asking the server."""
+        self._append({"kind": "end", "status": status, "time": int(time.time() * 1000)})
+        end_locally(self.run_id)
+
+    def _append(self, record: dict, source: Path | None = None, write=None, name: str | None = None) -> None:
+        from .outputs import link_or_copy
+
+        with self._cond:
+            n = len(self._records)
+            record = {"n": n, "run": self.run_id, **record}
+            if source is not None or write is not None:
+                dst = self.folder / "files" / f"{n:06d}" / (name or source.name)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if write is not None:
+                    write(dst)
+                elif source.is_dir():  # hard links where possible: a full model's weights are not copied
+                    shutil.copytree(source, dst, copy_function=link_or_copy)
+                else:
+                    link_or_copy(source, dst)
+                record["file"] = dst.relative_to(self.folder).as_posix()
+            with open(self.folder / "records.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the stage goes on: a crash loses nothing acknowledged
+            self._records.append(record)
+            self._cond.notify_all()
+
+    # --- the sender ---------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        client = _client(self.folder)
+        delay = RETRY_S[0]
+        while True:
+            with self._cond:
+                while not self._stop and self._sent >= len(self._records):
+                    self._cond.wait()
+                if self._stop and (self._sent >= len(self._records) or self._error is not None):
+                    return
+                record = self._records[self._sent]
+            try:
+                send(client, self.folder, record)
+            except Refused as e:
+                log.error("the tracking server refused a record; it stays in %s: %s", self.folder, e)
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            except Exception as e:  # the server does not answer: keep the records, try again later
+                if self._error is None:
+                    log.warning("MLflow tracking server does not answer (%s); training goes on, its records are "
+                                "kept in %s until it does", _short(e), self.folder)
+                self._error = e
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                delay = min(2 * delay, RETRY_S[1])
+                continue
+            with self._cond:
+                self._sent += 1
+                _write_sent(self.folder, self._sent)
+                self._cond.notify_all()
+            if self._error is not None:
+                log.info("MLflow tracking server answers again: sending the kept records")
+            self._error, delay = None, RETRY_S[0]
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.run_id is None:  # never started (not the main process, or the run never began)
+            return
+        deadline = time.monotonic() + self.wait
+        with self._cond:
+            self._cond.wait_for(lambda: self._sent >= len(self._records) or isinstance(self._error, Refused)
+                                or self._thread is None or not self._thread.is_alive(),
+                                timeout=max(0.0, deadline - time.monotonic()))
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()  # at most one request's MLFLOW_HTTP_REQUEST_TIMEOUT, or the rest if it answers
+        left = len(self._records) - self._sent
+        if left == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        message = (f"{left} tracking record(s) of run {self.run_id} were not sent "
+                   f"({_short(self._error) if self._error else 'the server did not answer'}; waited "
+                   f"{self.wait:.0f} s, {WAIT_ENV}). They are kept in {self.folder}; once the server answers, "
+                   f"send them with: {sync_command(self.folder)}")
+        if exc_type is None:
+            raise SlmsqlError(message)
+        log.error(message)  # the stage's own error is the one raised
+
+
+# --- records on disk, and sending them -------------------------------------------------------------------
+def load(folder: Path) -> tuple[list[dict], int]:
+    """The records, and how many were sent. A last line cut short by a crash was never acknowledged: dropped."""
+    records = []
+    path = folder / "records.jsonl"
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    sent = folder / "sent"
+    return records, int(sent.read_text()) if sent.exists() else 0
+
+
+def _write_sent(folder: Path, n: int) -> None:
+    tmp = folder / "sent.tmp"
+    tmp.write_text(str(n))
+    os.replace(tmp, folder / "sent")  # lost on a crash: those records are sent again, which is harmless
+
+
+def _parent(artifact_file: str) -> str | None:
+    return str(Path(artifact_file).parent) if "/" in artifact_file else None
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _uri(folder: Path) -> str:
+    """Where an outbox's records go: MLFLOW_TRACKING_URI when set (as everywhere), else the store recorded
+    when it was made."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or \
+        json.loads((folder / "meta.json").read_text(encoding="utf-8"))["tracking_uri"]
+
+
+def _client(folder: Path):
+    import mlflow
+
+    return mlflow.MlflowClient(_uri(folder))
+
+
+def send(client, folder: Path, record: dict) -> None:
+    """One record to the server, idempotently (module docstring). Raises Refused when the server refused it."""
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    run, kind = record["run"], record["kind"]
+    file = str(folder / record["file"]) if "file" in record else None
+    try:
+        if kind == "metrics":
+            client.log_batch(run, metrics=[Metric(k, v, record["time"], record["step"])
+                                           for k, v in record["metrics"].items()])
+        elif kind == "tag":
+            client.set_tag(run, record["key"], record["value"])
+        elif kind == "artifact":
+            client.log_artifact(run, file, record["artifact_path"])
+        elif kind == "artifacts":
+            client.log_artifacts(run, file, record["artifact_path"])
+        elif kind == "table":
+            client.log_artifact(run, file, _parent(record["artifact_file"]))
+            # the tag by which the UI lists a run's tables, as MLflow's log_table sets it
+            tables = json.loads(client.get_run(run).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+            entry = {"path": record["artifact_file"], "type": "table"}
+            if entry not in tables:
+                client.set_tag(run, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables + [entry]))
+        elif kind == "end":
+            client.set_terminated(run, record["status"], end_time=record["time"])
+        else:
+            raise Refused(f"unknown record kind {kind!r}")
+    except MlflowException as e:
+        status = e.get_http_status_code()
+        if 400 <= status < 500 and status not in (408, 429):
+            raise Refused(f"record {record['n']} ({kind}): {_short(e)}") from e
+        raise
+    except FileNotFoundError as e:
+        raise Refused(f"record {record['n']} ({kind}): {e}") from e
+
+
+def sync(folder) -> tuple[int, str]:
+    """Send what an outbox still holds, in order (`slmsql sync-tracking`); delete it once empty. Returns the
+    number of records sent and where they went."""
+    from . import tracking
+
+    folder = Path(folder)
+    if not (folder / "meta.json").is_file():
+        raise SlmsqlError(f"{folder} is not a tracking outbox (no meta.json)")
+    records, sent = load(folder)
+    os.environ["MLFLOW_TRACKING_URI"] = _uri(folder)
+    uri = tracking.configure()  # fails at once, and clearly, while the server is still away
+    client = _client(folder)
+    for i in range(sent, len(records)):
+        try:
+            send(client, folder, records[i])
+        except Exception as e:
+            raise SlmsqlError(f"{folder}: record {i} of {len(records)} not sent ({_short(e)}); "
+                              f"{len(records) - i} left, run this again") from None
+        _write_sent(folder, i + 1)
+    shutil.rmtree(folder)
+    return len(records) - sent, uri
+
+
+def end_locally(run_id: str) -> None:
+    """End MLflow's active run here without telling the server (its end is in the outbox): drop it from the
+    active-run stack and stop its system-metrics sampler. mlflow.end_run() does both, then asks the server to
+    end the run, which would fail, or come before the records it waits on. MLflow has no public call for the
+    first part: this reads two of its module globals (mlflow 3.17.2, pinned; the outage test covers it)."""
+    from mlflow.tracking import fluent
+
+    stack = fluent._active_run_stack.get()
+    stack[:] = [r for r in stack if r.info.run_id != run_id]
+    os.environ.pop("MLFLOW_RUN_ID", None)  # as end_run does
+    monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)
+    if monitor is not None:
+        monitor.finish()

@@ -1,0 +1,283 @@
+"""Training survives a tracking outage (durable.py): a real `mlflow server` on loopback is SIGKILLed mid-run
+and restarted on the same port and store; the run keeps training, ends FINISHED, and holds every step's
+metrics exactly once. A server still away at the end: the stage fails with the adapter on disk, and
+`slmsql sync-tracking` sends the rest later. The replay itself is idempotent (a record sent twice)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+import psutil
+import pytest
+from click.testing import CliRunner
+from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+
+from slmsql import configs, durable, tracking, training
+from slmsql.cli import main as cli
+from slmsql.errors import SlmsqlError
+from slmsql.stages import grpo, sft
+
+
+# ---- the replay is idempotent: fast, on a SQLite store ------------------------------------------------------
+
+def test_records_sent_twice_are_stored_once(tmp_path):
+    """Every kind of record, sent, then sent again from a copy of the outbox whose `sent` count was lost (the
+    server stored them, the answers never came back): one point per metric step, one table, the same end."""
+    art = tmp_path / "weights.bin"
+    art.write_bytes(b"\x00" * 64)
+    table = pd.DataFrame({"question": ["a", "b"], "reward": [0.0, 1.0]})
+    folder = tmp_path / "out.outbox"
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        for step in (1, 2, 3):
+            box.log_metrics({"loss": 1.0 / step, "reward": step / 10}, step=step)
+        box.log_table(table, "completions/step_00002.json")
+        box.set_tag("slmsql.policy_kind", "adapter")
+        box.log_artifact(art, "policy")
+        box.log_metrics({"train_loss": 0.5})
+        box.end_run("FINISHED")
+    assert mlflow.active_run() is None  # ended here, without a word to the server
+    run_id = run.info.run_id
+    client = mlflow.MlflowClient()
+    assert client.get_run(run_id).info.status == "RUNNING"  # the end is still in the outbox
+    replay = tmp_path / "replay.outbox"
+    shutil.copytree(folder, replay)
+    n, _ = durable.sync(folder)
+    assert n == 8 and not folder.exists()
+    first = client.get_run(run_id)
+    assert first.info.status == "FINISHED"
+    n, _ = durable.sync(replay)  # everything again
+    assert n == 8
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.end_time == first.info.end_time
+    for key in ("loss", "reward"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [0]
+    rows = json.loads(Path(client.download_artifacts(run_id, "completions/step_00002.json", str(tmp_path / "dl")))
+                      .read_text())["data"]
+    assert rows == [["a", 0.0], ["b", 1.0]]  # not appended to itself, as mlflow.log_table would
+    assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [
+        {"path": "completions/step_00002.json", "type": "table"}]
+    assert run.data.tags["slmsql.policy_kind"] == "adapter"
+    assert [f.path for f in client.list_artifacts(run_id, "policy")] == ["policy/weights.bin"]
+
+
+def test_what_an_earlier_attempt_left_goes_before_the_run_restarts(tmp_path):
+    """A crash while the server was away left the run's FAILED end in the outbox; the resumed attempt sends it
+    before restarting the run, so it cannot land after the restart and end the resumed run."""
+    folder = tmp_path / "out.outbox"
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        box.log_metrics({"loss": 1.0}, step=1)
+        box.end_run("FAILED")
+    run_id, client = run.info.run_id, mlflow.MlflowClient()
+    with durable.Outbox(folder, wait=60) as box, \
+            tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
+        assert durable.load(folder)[0] == []  # a fresh outbox: the earlier records are already in the store
+        assert client.get_run(run_id).info.status == "RUNNING"
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
+        box.log_metrics({"loss": 0.5}, step=2)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert not folder.exists()
+
+
+def test_a_record_cut_short_by_a_crash_is_dropped(tmp_path):
+    folder = tmp_path / "out.outbox"
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        box.log_metrics({"loss": 1.0}, step=1)
+        with open(folder / "records.jsonl", "a") as f:
+            f.write('{"n": 1, "run": "')  # the process died mid-append: that record was never acknowledged
+    records, sent = durable.load(folder)
+    assert [r["n"] for r in records] == [0] and sent == 0
+
+
+def test_wait_must_be_a_number(monkeypatch, tmp_path):
+    monkeypatch.setenv(durable.WAIT_ENV, "soon")
+    with pytest.raises(SlmsqlError, match="SLMSQL_TRACKING_WAIT_S='soon' is not a number"):
+        durable.Outbox(tmp_path / "x.outbox")
+
+
+def test_sync_refuses_a_folder_that_is_not_an_outbox(tmp_path):
+    result = CliRunner().invoke(cli, ["sync-tracking", str(tmp_path)])
+    assert result.exit_code == 2 and "is not a tracking outbox" in result.output
+
+
+# ---- a real server, killed mid-run ----------------------------------------------------------------------
+
+class Server:
+    """`mlflow server` on a fixed loopback port and store, which can be SIGKILLed (the whole process tree: the
+    server and its uvicorn worker, as an OOM kill or a container stop does) and restarted."""
+
+    def __init__(self, root: Path):
+        self.root, self.proc = root, None
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self):
+        with open(self.root / "server.log", "ab") as log:
+            self.proc, uri = tracking.start_server(port=self.port, store=self.root / "store.db",
+                                                   artifacts=self.root / "artifacts", log_file=log)
+        assert uri == self.uri
+
+    def kill(self):
+        if self.proc is None:
+            return
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        psutil.wait_procs(procs, timeout=60)
+        self.proc = None
+        deadline = time.monotonic() + 60  # the port is free again before anyone restarts on it
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"port {self.port} still answers after the server was killed")
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = Server(tmp_path)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def outage_at(server, kill_step: int, restart_step: int | None, seen: list):
+    """A `metrics_callback` that, after logging step `kill_step`, SIGKILLs the server, and after logging
+    step `restart_step` (records still unsent, noted in `seen`) restarts it."""
+    original = training.metrics_callback
+
+    def make(outbox):
+        class Outage(type(original(outbox))):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                super().on_log(args, state, control, logs=logs, **kwargs)
+                if state.global_step == kill_step and server.proc is not None:
+                    server.kill()
+                elif state.global_step == restart_step and server.proc is None:
+                    records, sent = durable.load(outbox.folder)
+                    seen.append(len(records) - sent)
+                    server.start()
+
+        return Outage()
+
+    return make
+
+
+def sft_cfg(policy, out, steps=8):
+    return configs.load(configs.SFTStageConfig, None, {
+        "data": str(policy.train), "db_root": str(policy.db_root), "model": str(policy.tiny),
+        "output_dir": str(out), "max_steps": steps, "per_device_train_batch_size": 4, "use_lora": True,
+        "lora_r": 4, "lora_alpha": 8, "run_name": "outage"})
+
+
+def only_run(client):
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    return run
+
+
+def assert_complete_sft_run(client, run_id, steps):
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "grad_norm", "learning_rate"):  # every step, none twice
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, steps + 1)), key
+    assert run.data.metrics["steps"] == steps and run.data.tags["slmsql.policy_kind"] == "adapter"
+    assert run.data.tags["mlflow.note.content"].startswith("SFT (LoRA adapter)")
+    assert {"policy/adapter_model.safetensors", "policy/adapter_config.json", "policy/sft_summary.json"} <= \
+        {f.path for f in client.list_artifacts(run_id, "policy")}
+
+
+@pytest.mark.slow
+def test_sft_keeps_training_through_a_server_restart(policy, server, tmp_path, monkeypatch):
+    seen: list[int] = []
+    out = tmp_path / "out"
+    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=2, restart_step=5, seen=seen))
+    with tracking_store(server.uri):
+        summary = sft.main(sft_cfg(policy, out))
+    assert summary["steps"] == 8
+    assert seen and seen[0] >= 3  # steps 3-5 (at least) waited on disk while the server was away
+    assert (out / "adapter_model.safetensors").exists() and not durable.folder_for(out).exists()
+    client = mlflow.MlflowClient(server.uri)
+    assert_complete_sft_run(client, only_run(client).info.run_id, 8)
+
+
+@pytest.mark.slow
+def test_server_still_away_at_the_end_then_sync_sends_the_rest(policy, server, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv(durable.WAIT_ENV, "1")
+    monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=2, restart_step=None, seen=[]))
+    args = ["sft", "--data", str(policy.train), "--db-root", str(policy.db_root), "--model", str(policy.tiny),
+            "--output-dir", str(out), "--max-steps", "6", "--per-device-train-batch-size", "4",
+            "--use-lora", "true", "--lora-r", "4", "--lora-alpha", "8"]
+    with tracking_store(server.uri):
+        client = mlflow.MlflowClient(server.uri)
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, result.output
+        folder = durable.folder_for(out)
+        assert f"kept in {folder}" in result.output
+        assert f"slmsql sync-tracking {folder}" in result.output
+        # the policy is finished and on disk: only the tracking is behind
+        assert (out / "adapter_model.safetensors").exists() and not out.with_name("out.partial").exists()
+        records, sent = durable.load(folder)
+        assert records[-1]["kind"] == "end" and records[-1]["status"] == "FINISHED" and sent < len(records)
+
+        server.start()
+        run_id = only_run(client).info.run_id
+        assert client.get_run(run_id).info.status == "RUNNING"
+        synced = CliRunner().invoke(cli, ["sync-tracking", str(folder)])
+        assert synced.exit_code == 0, synced.output
+    assert not folder.exists()
+    assert_complete_sft_run(client, run_id, 6)
+
+
+@pytest.mark.slow
+def test_grpo_keeps_training_through_a_server_restart(policy, server, tmp_path, monkeypatch):
+    """GRPO's per-step metrics and its completions tables (step 2's logged while the server was away)."""
+    seen: list[int] = []
+    data = write(tmp_path / "gold.jsonl", read(policy.train)[:8])
+    cfg = configs.load(configs.GRPOStageConfig, None, {
+        "data": str(data), "db_root": str(policy.db_root), "model": str(policy.model),
+        "output_dir": str(tmp_path / "out"), "num_generations": 4, "per_device_train_batch_size": 8,
+        "max_completion_length": 16, "max_steps": 4, "save_steps": 4, "completions_every": 2, "workers": 1,
+        "timeout_s": 2.0, "lora_r": 4, "lora_alpha": 8})
+    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=1, restart_step=3, seen=seen))
+    with tracking_store(server.uri):
+        summary = grpo.main(cfg)
+    assert summary["steps"] == 4 and seen and seen[0] >= 2
+    client = mlflow.MlflowClient(server.uri)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "reward", "exec/correct"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4], key
+    tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "completions"))
+    assert tables == ["completions/step_00002.json", "completions/step_00004.json"]
+    for t in tables:
+        assert len(json.loads(Path(client.download_artifacts(run.info.run_id, t, str(tmp_path / "dl")))
+                              .read_text())["data"]) == 8
+    assert "training_curves.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert not durable.folder_for(cfg.output_dir).exists()
