@@ -33,6 +33,25 @@ REPO, BASE_REPO, NAME = "stub-user/toy-grpo", "stub-user/toy-sft", "toy-grpo"
 MAX_NEW_TOKENS = 48
 
 
+@pytest.mark.parametrize("rows, message", [
+    ([{"question": "", "schema": "CREATE TABLE t (a INT)"}], "row 1: field 'question': a non-empty string"),
+    ([{"question": "How many?", "schema": "CREATE TABLE t (a INT)"}, {"question": "How many?"}],
+     "row 2: give exactly one of the fields schema and db_path \\(got neither\\)"),
+    ([{"question": "How many?", "schema": "CREATE TABLE t (a INT)", "db_path": "t.sqlite"}],
+     "row 1: give exactly one of the fields schema and db_path \\(got schema and db_path\\)"),
+])
+def test_served_model_refuses_bad_rows_naming_row_and_field(rows, message):
+    """The fast part of this module (no model): what the pyfunc refuses before it generates anything, as an
+    invalid-parameter error (the scoring server answers 400 with the message, not 500)."""
+    from mlflow.exceptions import MlflowException
+
+    from slmsql import text2sql
+
+    with pytest.raises(MlflowException, match="text2sql input: " + message) as e:
+        text2sql.Text2SQL().predict(None, rows)
+    assert e.value.error_code == "INVALID_PARAMETER_VALUE"
+
+
 @pytest.fixture(scope="module")
 def shipped(policy, tmp_path_factory):
     from slmsql.stages import evaluate, grpo, publish
