@@ -22,6 +22,7 @@ import urllib.request
 import mlflow
 import psutil
 import pytest
+import scripted
 import torch
 from hubstub import HubStub
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
@@ -62,11 +63,15 @@ def shipped(policy, tmp_path_factory):
     with tracking_store(uri), HubStub() as hub, pytest.MonkeyPatch.context() as mp:
         hub.configure_client(mp)
         mp.chdir(root)  # the publish run's artifacts (./mlruns) land in this folder, which the token scan reads
-        grpo.main(configs.load(configs.GRPOStageConfig, None, {
-            "data": str(band), "db_root": str(policy.db_root), "model": str(policy.model),
-            "output_dir": str(root / "grpo"), "num_generations": 4, "per_device_train_batch_size": 8,
-            "max_completion_length": 32, "max_steps": 2, "learning_rate": 0.02, "save_steps": 2,
-            "completions_every": 2, "workers": 1, "lora_r": 8, "lora_alpha": 16}))
+        find = scripted.question_of(read(band))
+        with pytest.MonkeyPatch.context() as sampled:  # GRPO on scripted groups (1 right, 3 wrong): it trains
+            scripted.install(sampled, policy.model, lambda p, i: scripted.right(find(p)) if i == 0 else scripted.WRONG,
+                             group=4)
+            grpo.main(configs.load(configs.GRPOStageConfig, None, {
+                "data": str(band), "db_root": str(policy.db_root), "model": str(policy.model),
+                "output_dir": str(root / "grpo"), "num_generations": 4, "per_device_train_batch_size": 8,
+                "max_completion_length": 40, "max_steps": 2, "learning_rate": 0.02, "save_steps": 2,
+                "completions_every": 2, "workers": 1, "lora_r": 8, "lora_alpha": 16}))
         client = mlflow.MlflowClient()
         grpo_run = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0].info.run_id
         evaluate.main(configs.load(configs.EvaluateConfig, None, {
