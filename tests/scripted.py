@@ -8,7 +8,8 @@ prompt's group of G gets `answer(prompt_text, i % G)`, tokenized and closed with
 the policy's log-probabilities of these completions and trains on them, so rewards, advantages, the gate, dynamic
 sampling and the optimizer step run for real; only the sampler is scripted.
 
-Use inside a test or fixture: `scripted.install(monkeypatch, tokenizer_dir, answer, group=G)`.
+Use inside a test or fixture: `scripted.install(monkeypatch, tokenizer_dir, answer, group=G)`; `answer` may
+return None for a row the policy's own sampler (or tests/rowseeded.py's) should write.
 `question_of(rows)` maps a rendered prompt back to its gold row (by the question text it contains).
 """
 
@@ -31,35 +32,58 @@ def question_of(rows):
     return find
 
 
-def install(monkeypatch, tokenizer_dir, answer, group: int) -> list[str]:
-    """Replace `GenerationMixin.generate` for the rest of the test; returns the list every scripted completion
-    is appended to (what was served, in order)."""
+def scripted_generate(tokenizer_dir, answer, group: int, sample=None, served: list | None = None):
+    """transformers' `generate`, scripted: row i of a prompt's group of G gets `answer(prompt_text, i % G)`, plain
+    text tokenized and closed with eos; where `answer` returns None, the row keeps what `sample` (an underlying
+    generate, e.g. tests/rowseeded.py's) drew for it. Each scripted text is appended to `served`."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoTokenizer
-    from transformers.generation.utils import GenerationMixin
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    served: list[str] = []
 
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         # TRL lays a generation batch out as consecutive groups of G copies of a prompt
-        rows = []
-        for i in range(input_ids.size(0)):
-            prompt = tokenizer.decode(input_ids[i][attention_mask[i].bool()])
-            text = answer(prompt, i % group)
+        texts = [answer(tokenizer.decode(input_ids[i][attention_mask[i].bool()]), i % group)
+                 for i in range(input_ids.size(0))]
+        sampled = None
+        if any(t is None for t in texts):
+            sampled = sample(self, input_ids=input_ids, attention_mask=attention_mask,
+                             generation_config=generation_config, **kwargs)[:, input_ids.size(1):]
+        rows, limit = [], generation_config.max_new_tokens
+        for i, text in enumerate(texts):
+            if text is None:
+                rows.append(sampled[i])
+                continue
             ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            limit = generation_config.max_new_tokens
             assert len(ids) <= limit, f"scripted completion of {len(ids)} tokens > max_new_tokens {limit}: {text!r}"
-            served.append(text)
+            if served is not None:
+                served.append(text)
             rows.append(torch.tensor(ids, dtype=input_ids.dtype))
         width = max(r.size(0) for r in rows)
         pad = generation_config.pad_token_id
         completions = torch.stack([F.pad(r, (0, width - r.size(0)), value=pad) for r in rows])
         return torch.cat([input_ids, completions], dim=1)
 
-    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return generate
+
+
+def install(monkeypatch, tokenizer_dir, answer, group: int, sample=None) -> list[str]:
+    """Replace `GenerationMixin.generate` for the rest of the test (see `scripted_generate`); returns the list
+    every scripted completion is appended to (what was served, in order)."""
+    from transformers.generation.utils import GenerationMixin
+
+    served: list[str] = []
+    sample = sample or GenerationMixin.generate  # rows `answer` leaves to the policy's own sampler
+    monkeypatch.setattr(GenerationMixin, "generate", scripted_generate(tokenizer_dir, answer, group, sample, served))
     return served
+
+
+def right_and_no_sql_first(rows):
+    """An `answer` for groups that must hold a reward difference while the sampler still writes the rest: the
+    first completion of every group is the gold SQL (correct), the second has no SQL (reward 0), others sampled."""
+    find = question_of(rows)
+    return lambda prompt, i: right(find(prompt)) if i == 0 else NO_SQL if i == 1 else None
 
 
 def pin(monkeypatch, completions: dict[str, list[str]] | None = None, answers: dict[str, str] | None = None):
