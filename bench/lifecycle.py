@@ -92,6 +92,22 @@ def step_figures(root: Path, watched: dict) -> tuple[dict, dict, object]:
     return steps, children, parent
 
 
+def collate(batch: list[tuple[list[int], int]], pad: int):
+    """(token ids, prompt length) rows -> input ids right-padded to the longest row, attention mask, and labels
+    (-100 on prompt and padding: the loss falls on the completion, as TRL's completion-only loss)."""
+    import torch
+
+    width = max(len(row) for row, _ in batch)
+    ids = torch.full((len(batch), width), pad)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100)
+    for i, (row, n_prompt) in enumerate(batch):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+        labels[i, n_prompt:len(row)] = ids[i, n_prompt:len(row)]
+    return ids, mask, labels
+
+
 def plain_loop(root: Path, sft_run, steps: int, warmup: int = 3) -> dict:
     """The reference training loop on the SFT step's model, data and batch shape (module docstring)."""
     import torch
@@ -122,15 +138,7 @@ def plain_loop(root: Path, sft_run, steps: int, warmup: int = 3) -> dict:
     model.train()
     tokens, seconds = 0, 0.0
     for step in range(warmup + steps):
-        batch = rng.sample(rows, B)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((B, width), pad)
-        mask = torch.zeros((B, width), dtype=torch.long)
-        labels = torch.full((B, width), -100)
-        for i, (row, n_prompt) in enumerate(batch):
-            ids[i, :len(row)] = torch.tensor(row)
-            mask[i, :len(row)] = 1
-            labels[i, n_prompt:len(row)] = ids[i, n_prompt:len(row)]
+        ids, mask, labels = collate(rng.sample(rows, B), pad)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
