@@ -1,9 +1,10 @@
 """The toy lifecycle, timed: `slmsql pipeline` in a temporary folder, step by step, beside a plain PyTorch loop.
 
 Runs the whole pipeline (what `make demo` runs) as a subprocess with its own SQLite store and output folder,
-watching its process tree, then reads the step runs back from the store. Per step: wall time (the step's first
-process to its run's end) and start-up (that process's start to the run's start: the `mlflow run` launch, the
-imports and the config checks, before the stage's first line of work). Also: SFT tokens/s (TRL's `num_tokens`,
+watching its process tree and output folder, then reads the step runs back from the store. Per step: wall time
+(the step's first process, the one carrying `--run-name <step>`, to its run's end) and start-up (that process's
+start to the step's output folder appearing, `<step>.partial`, which a stage makes once its arguments and data
+are checked and before it loads a model: the `mlflow run` launch, the imports, config and checks). Also: SFT tokens/s (TRL's `num_tokens`,
 the non-padding tokens trained on, over `train_seconds`), GRPO seconds per optimizer step, evaluation questions
 per second (per evaluation run, model load included), the peak resident memory (of the whole process tree, summed,
 and of its largest process), and the headline EX figures (dev, SFT and GRPO).
@@ -39,7 +40,7 @@ STEPS = ("toy", "tiny-model", "sft", "filter", "grpo", "eval-sft-dev", "eval-grp
 
 def run_pipeline(root: Path, overrides: str, poll_s: float = 0.2) -> dict:
     """`slmsql pipeline` into `root`; returns its wall time, exit code, log tail, peak RSS and, per step run
-    name, when the first process carrying `--run-name <name>` was seen to start."""
+    name, when the first process carrying `--run-name <name>` started and when its output folder appeared."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db", "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_RUN_ID", None)
     cmd = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "outputs")]
@@ -51,7 +52,12 @@ def run_pipeline(root: Path, overrides: str, poll_s: float = 0.2) -> dict:
     top = psutil.Process(proc.pid)
     peak_tree = peak_one = 0
     step_start: dict[str, float] = {}
+    step_work: dict[str, float] = {}
+    out = root / "outputs"
     while proc.poll() is None:
+        for name in STEPS:
+            if name not in step_work and ((out / f"{name}.partial").exists() or (out / name).exists()):
+                step_work[name] = time.time()
         try:
             procs = [top, *top.children(recursive=True)]
         except psutil.NoSuchProcess:
@@ -69,13 +75,13 @@ def run_pipeline(root: Path, overrides: str, poll_s: float = 0.2) -> dict:
         peak_tree, peak_one = max(peak_tree, sum(rss)), max([peak_one, *rss])
         time.sleep(poll_s)
     log.close()
-    return {"rc": proc.returncode, "wall_s": time.time() - started, "started": started, "step_start": step_start,
+    return {"rc": proc.returncode, "wall_s": time.time() - started, "step_start": step_start, "step_work": step_work,
             "peak_rss_mb": peak_tree / 2**20, "peak_rss_one_process_mb": peak_one / 2**20,
             "log_tail": (root / "pipeline.log").read_text()[-3000:]}
 
 
 def step_figures(root: Path, watched: dict) -> tuple[dict, dict, object]:
-    """Per step: wall and start-up seconds, from the step runs' start/end times and the processes seen."""
+    """Per step: wall and start-up seconds, from the processes and folders seen and the step runs' end times."""
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
@@ -85,9 +91,11 @@ def step_figures(root: Path, watched: dict) -> tuple[dict, dict, object]:
     steps, previous_end = {}, parent.info.start_time / 1000
     for name in STEPS:
         run = children[name]
-        start, end = run.info.start_time / 1000, run.info.end_time / 1000
+        end = run.info.end_time / 1000
         launched = watched["step_start"].get(name, previous_end)  # a step too quick to be seen: from the last end
-        steps[name] = {"wall_s": round(end - launched, 2), "startup_s": round(start - launched, 2)}
+        work = watched["step_work"].get(name)
+        steps[name] = {"wall_s": round(end - launched, 2),
+                       "startup_s": round(work - launched, 2) if work is not None else None}
         previous_end = end
     return steps, children, parent
 
@@ -203,7 +211,7 @@ def main() -> int:
     print(f"pipeline {fig['pipeline_wall_s']:.0f} s, peak RSS {fig['peak_rss_mb']} MB "
           f"(largest process {fig['peak_rss_one_process_mb']} MB)")
     for name, s in steps.items():
-        print(f"  {name:20s} {s['wall_s']:7.1f} s  (start-up {s['startup_s']:.1f} s)")
+        print(f"  {name:20s} {s['wall_s']:7.1f} s  (start-up {s['startup_s']} s)")
     print(f"SFT {fig['sft']['tokens_per_s']} tokens/s vs plain loop {fig['plain_loop']['tokens_per_s']} "
           f"(x{fig.get('sft_vs_plain')}); GRPO {fig['grpo']['s_per_step']} s/step; EX dev SFT {fig['ex']['sft_dev']}, "
           f"GRPO {fig['ex']['grpo_dev']}")
