@@ -135,11 +135,10 @@ def plain_loop(root: Path, sft_run, steps: int, warmup: int = 3) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
     rows = []
     for row in conversations(cfg, read_gold(cfg.data)):  # as TRL tokenizes conversational prompt-completion rows
-        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True)
-        full = list(full["input_ids"] if isinstance(full, dict) else full)[:cfg.max_length]
-        n_prompt = len(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
-        rows.append((full, n_prompt))
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
+                                               return_dict=False)
+        full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=False)
+        rows.append((list(full)[:cfg.max_length], len(prompt)))
     B, pad = cfg.per_device_train_batch_size, tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     rng = random.Random(0)
