@@ -132,7 +132,7 @@ def plain_loop(root: Path, sft_run, steps: int, warmup: int = 3) -> dict:
                                                         "db_root": str(world / "databases"),
                                                         "model": str(root / "outputs" / "tiny-model")})
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     rows = []
     for row in conversations(cfg, read_gold(cfg.data)):  # as TRL tokenizes conversational prompt-completion rows
         prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
