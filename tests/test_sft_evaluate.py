@@ -17,6 +17,7 @@ from slmsql import configs, generation, models
 from slmsql.stages import evaluate, sft
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
+from slmsql.extract import extract_sql
 
 # ---- SFT ------------------------------------------------------------------------------------------------
 
@@ -163,7 +164,9 @@ def test_greedy_evaluation_is_deterministic(evals):
     rows = [json.loads(line) for line in preds.splitlines()]
     assert len(rows) == 30 and all(set(r) >= {"id", "completion", "sql", "extracted_by"} for r in rows)
     assert all(isinstance(r["completion"], str) for r in rows)
-    assert sum(r["sql"] is not None for r in rows) >= 20  # the policy answers in ```sql blocks
+    # each prediction's SQL is what extraction finds in its completion (how many hold a ```sql block is the
+    # policy's float-dependent behaviour: not asserted)
+    assert all((r["sql"], r["extracted_by"]) == extract_sql(r["completion"]) for r in rows)
     timeless = lambda rows: [{k: v for k, v in r.items() if k != "pred_ms"} for r in rows]  # noqa: E731
     assert timeless(read(root / "a" / "results.jsonl")) == timeless(read(root / "b" / "results.jsonl"))
 

@@ -121,7 +121,6 @@ def test_registered_model_answers_as_evaluate_did(store, policy, how):
     preds = store["predictions"]
     assert [preds[i]["completion"] for i in ids] == list(out["completion"])  # greedy: the same text ...
     assert [preds[i]["sql"] for i in ids] == [None if pd.isna(s) else s for s in out["sql"]]  # ... and SQL
-    assert sum(preds[i]["sql"] is not None for i in ids) >= 20  # the policy answers in ```sql blocks
 
 
 def test_registered_model_is_the_published_one(store, policy):
