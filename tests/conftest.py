@@ -77,3 +77,16 @@ def _documented_metrics_only(monkeypatch):
     monkeypatch.setattr(mlflow, "log_metric", checked_metric)
     monkeypatch.setattr(mlflow, "log_metrics", checked_metrics)
     monkeypatch.setattr(Outbox, "log_metrics", checked_outbox_metrics)
+
+
+# What `slow` means (pyproject.toml's marker): a test that trains a model, or starts a server or a launcher.
+# Every test that asks for the trained tiny policy (tests/policy.py: an `slmsql sft` run, built once per session)
+# trains one, so it is marked here, once, rather than by hand in each module; servers and launchers are marked
+# where they are started. tests/test_project.py checks that every module keeps a test outside the slow tier.
+TRAINS = {"policy"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINS & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -12,7 +12,9 @@ for the group advantages, token-count normalisation, DDP gradient averaging).
 
 `row_seeded(generate, G)` is the patched function; `install(G)` puts it in transformers' `GenerationMixin`.
 Run as a script (`python tests/rowseeded.py <slmsql args>`, e.g. under `accelerate launch`), it installs the
-patch with G = SLMSQL_TEST_GROUP and runs the slmsql CLI.
+patch with G = SLMSQL_TEST_GROUP and runs the slmsql CLI; with SLMSQL_TEST_PIN_DATA (the gold file) and
+SLMSQL_TEST_PIN_MODEL (the tokenizer) it installs `install_pinned`: two completions of each group scripted, so
+the run has a reward difference in every group whatever the sampler draws on this machine.
 """
 
 from __future__ import annotations
@@ -52,8 +54,25 @@ def install(group: int) -> None:
     GenerationMixin.generate = row_seeded(GenerationMixin.generate, group)
 
 
+def install_pinned(group: int, model: str, data: str) -> None:
+    """`install`, with the first two completions of every group pinned (tests/scripted.py): gold SQL, then no
+    SQL. Every group then has a reward difference, so every step has a gradient to compare across layouts."""
+    import json
+
+    import scripted
+    from transformers.generation.utils import GenerationMixin
+
+    rows = [json.loads(line) for line in open(data) if line.strip()]
+    GenerationMixin.generate = scripted.scripted_generate(
+        model, scripted.right_and_no_sql_first(rows), group, sample=row_seeded(GenerationMixin.generate, group))
+
+
 if __name__ == "__main__":
-    install(int(os.environ["SLMSQL_TEST_GROUP"]))
+    group = int(os.environ["SLMSQL_TEST_GROUP"])
+    if os.environ.get("SLMSQL_TEST_PIN_DATA"):  # SLMSQL_TEST_PIN_MODEL: the tokenizer's folder
+        install_pinned(group, os.environ["SLMSQL_TEST_PIN_MODEL"], os.environ["SLMSQL_TEST_PIN_DATA"])
+    else:
+        install(group)
     from slmsql.cli import main
 
     sys.exit(main(sys.argv[1:], prog_name="slmsql"))

@@ -85,3 +85,12 @@ def test_filter_scale_bench_local_arm():
     assert local["seconds"] > 0 and local["ratio_to_local"] == 1.0
     assert local["samples_scored_per_s"] == pytest.approx(2 * local["questions_per_s"], rel=0.01)
     assert fig["local_split"]["generate_s"] > 0 and fig["ray_init_s"] is None
+
+
+def test_lifecycle_bench_plain_loop_batches_as_the_sft_collator_does():
+    """The reference loop's batches (the pipeline run itself is what `make bench` runs, minutes): right padding
+    to the longest row, the loss on completion tokens only, the non-padding tokens counted."""
+    ids, mask, labels = load_bench("lifecycle").collate([([5, 6, 7, 8], 2), ([9, 10, 11], 1)], pad=0)
+    assert ids.tolist() == [[5, 6, 7, 8], [9, 10, 11, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]] and int(mask.sum()) == 7
+    assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, 11, -100]]

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -33,6 +34,15 @@ def band_file(policy, path, n=8):
 # ---- bad input: refused before any model loads ----------------------------------------------------------
 
 @pytest.fixture
+def paths(shop, tmp_path):
+    """What these checks read of the policy, without training it (each test names it `policy`): 8 gold questions on the
+    `shop` database, and a model path that is never loaded."""
+    train = write(tmp_path / "train.jsonl", [{"id": f"q{i}", "db_id": "shop", "question": f"Items above {i}?",
+                                              "sql": f"SELECT name FROM item WHERE price > {i}"} for i in range(8)])
+    return SimpleNamespace(train=train, db_root=shop, model=tmp_path / "policy")
+
+
+@pytest.fixture
 def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the arguments were checked")
@@ -48,34 +58,40 @@ def _refused(cfg, match):
     assert [e.name for e in mlflow.MlflowClient().search_experiments()] in ([], ["Default"])  # no run started
 
 
-def test_unknown_reward(policy, tmp_path, no_model_load):
+def test_unknown_reward(paths, tmp_path, no_model_load):
+    policy = paths
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", rewards="execution,vibes")
     _refused(cfg, r"unknown reward\(s\) \['vibes'\]; registered: \['execution', 'format'\]")
 
 
-def test_reward_weights_must_match_rewards(policy, tmp_path, no_model_load):
+def test_reward_weights_must_match_rewards(paths, tmp_path, no_model_load):
+    policy = paths
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", reward_weights="1,0.5,2")
     _refused(cfg, r"3 reward weights for 2 rewards")
 
 
-def test_num_generations_must_divide_batch(policy, tmp_path, no_model_load):
+def test_num_generations_must_divide_batch(paths, tmp_path, no_model_load):
+    policy = paths
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", num_generations=3)
     _refused(cfg, r"num_generations \(3\) must divide per_device_train_batch_size \(8\)")
 
 
-def test_base_adapter_for_another_base(policy, tmp_path, no_model_load):
+def test_base_adapter_for_another_base(paths, tmp_path, no_model_load):
+    policy = paths
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out",
                    base_adapter=str(foreign_adapter(tmp_path)))
     _refused(cfg, r"was trained on base model .*other-base.*, not on .*policy")
 
 
-def test_missing_database(policy, tmp_path, no_model_load):
+def test_missing_database(paths, tmp_path, no_model_load):
+    policy = paths
     rows = read(band_file(policy, tmp_path / "band.jsonl"))
     data = write(tmp_path / "band.jsonl", rows + [{**rows[0], "id": "x", "db_id": "atlantis"}])
     _refused(grpo_cfg(policy, data, tmp_path / "out"), r"band.jsonl: no database for db_id \['atlantis'\]")
 
 
-def test_band_without_pass_rate_warns_and_goes_on(policy, tmp_path, monkeypatch, caplog):
+def test_band_without_pass_rate_warns_and_goes_on(paths, tmp_path, monkeypatch, caplog):
+    policy = paths
     data = write(tmp_path / "gold.jsonl", read(policy.train)[:8])
 
     class Loaded(Exception):

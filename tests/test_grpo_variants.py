@@ -1,5 +1,5 @@
 """Correctness-aware GRPO (slmsql.grpo_variants): the gate and dynamic-sampling rules on hand-built groups,
-then two real toy runs of `slmsql grpo` with the options on."""
+then two real toy runs of `slmsql grpo` with the options on, on scripted completions (tests/scripted.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import scripted
 from learning import assert_learned, prompt_for, weight_change
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
@@ -161,28 +162,36 @@ def test_dynamic_sampling_is_single_process():
     gv.check(configs.load(configs.GRPOStageConfig, None, {"advantage_gate": "correctness"}), world_size=2)
 
 
-# ---- real toy runs --------------------------------------------------------------------------------------
+# ---- real toy runs, on scripted completions ------------------------------------------------------------
+# What these runs need of sampling (all-wrong groups whose shaped rewards vary; groups with and without
+# correctness variance) is scripted (tests/scripted.py), not hoped for from the tiny policy's sampler.
 
-NEVER = "SELECT 'no completion writes this' AS never"  # valid gold no completion can match: all wrong
+
+def wrong_mix(_prompt, i):
+    return (scripted.WRONG, scripted.NO_SQL)[i % 2]  # all wrong; shaped rewards 0.3 and 0.0 in every group
 
 
 @pytest.fixture(scope="module")
 def toy_runs(policy, tmp_path_factory):
     """Two 2-step `slmsql grpo` runs on the tiny policy, in one store:
-    gate: the correctness gate on questions nobody answers right (every group all wrong);
-    dynamic: dynamic sampling + the gate on 4 questions the policy sometimes answers + 4 nobody answers."""
+    gate: the correctness gate, every completion wrong (runs-but-wrong ```sql blocks and no SQL, alternating);
+    dynamic: dynamic sampling + the gate on 2 questions, A (one of its 4 completions right) and B (all wrong)."""
     from slmsql.stages import grpo
 
     root = tmp_path_factory.mktemp("variants")
-    rows = read(policy.train)[:8]
-    data = {"gate": write(root / "wrong.jsonl", [{**r, "sql": NEVER} for r in rows]),
-            "dynamic": write(root / "mixed.jsonl", rows[:4] + [{**r, "sql": NEVER} for r in rows[4:]])}
+    rows = read(policy.train)
+    a, b = rows[0], rows[1]
+    data = {"gate": write(root / "gate.jsonl", rows[:8]), "dynamic": write(root / "mixed.jsonl", [a, b])}
+    find = scripted.question_of([a, b])
+    answers = {"gate": wrong_mix,
+               "dynamic": lambda p, i: scripted.right(a) if find(p) is a and i == 0 else wrong_mix(p, i)}
     options = {"gate": {"advantage_gate": "correctness"},
                "dynamic": {"advantage_gate": "correctness", "dynamic_sampling": True, "max_resample_rounds": 2}}
     out = {}
-    with tracking_store(f"sqlite:///{root}/mlflow.db") as uri:
+    with tracking_store(f"sqlite:///{root}/mlflow.db") as uri, pytest.MonkeyPatch.context() as mp:
         client = mlflow.MlflowClient(uri)
         for name, opts in options.items():
+            scripted.install(mp, policy.model, answers[name], group=4)
             cfg = configs.load(configs.GRPOStageConfig, None, {
                 "data": str(data[name]), "db_root": str(policy.db_root), "model": str(policy.model),
                 "output_dir": str(root / name), "experiment": name, "num_generations": 4,
@@ -205,8 +214,8 @@ def completions(cfg, step: int):
 def test_gate_on_all_wrong_groups_moves_nothing(toy_runs):
     cfg, run, m, _ = toy_runs["gate"]
     assert run.data.params["advantage_gate"] == "correctness" and run.data.params["dynamic_sampling"] == "False"
-    # TRL alone would push: the shaped rewards (0.1 runs, 0.2 format) vary within some group
-    assert min(m["frac_reward_zero_std"]) < 1.0 and m["exec/correct"] == [0.0, 0.0]
+    # TRL alone would push: the shaped rewards (0.3 and 0.0) vary within every group
+    assert m["frac_reward_zero_std"] == [0.0, 0.0] and m["exec/correct"] == [0.0, 0.0]
     assert m["loss"] == [0.0, 0.0] and m["grad_norm"] == [0.0, 0.0]
     assert weight_change(Path(cfg.output_dir) / "adapter") == 0.0  # every LoRA B still zero
     assert m["advantage_gate/frac_groups_zeroed"] == [1.0, 1.0]
@@ -221,13 +230,11 @@ def test_dynamic_sampling_counts_and_learns(toy_runs):
     ds = {k: m[f"dynamic_sampling/{k}"] for k in ("groups_sampled", "groups_kept", "groups_dropped",
                                                  "groups_filled", "extra_rounds")}
     assert all(len(v) == 2 for v in ds.values())  # one value per step
+    # Each step's first round holds both questions: A kept, B dropped, one group short. A refill round draws
+    # one question from a permutation of the two: A (kept, done) or B (dropped again; the next round draws A).
     for s, k, d, f, r in zip(*ds.values()):
         assert k + d == s and k + f == 2  # every sampled group kept or dropped; the batch is always 2 groups
-        assert 0 <= r <= 2 and s >= 2 + r  # each extra round sampled at least one group
-        assert (r == 0) == (d == 0)  # a refill round exactly when the first round had groups to drop
-        assert f == 0 or r == 2  # topped up only once the rounds ran out
-    assert sum(ds["groups_dropped"]) > 0  # half the questions are unanswerable: something was dropped
-    assert sum(ds["groups_kept"]) > 0
+        assert (k, f) == (2, 0) and r in (1, 2) and d == r and s == 2 + r
     # the completions table is the batch trained on: kept groups (correctness varies) with TRL's advantages,
     # topped-up groups at 0 (the gate is on)
     for step in (1, 2):

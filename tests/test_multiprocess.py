@@ -8,7 +8,8 @@ compared with a one-process run on batch 2B. SFT has no sampling: the adapters m
 GRPO samples its completions, and TRL seeds every rank with seed + rank, so two ranks draw other
 completions than one process does (measured: the updates differ by ~120% of their size, see README): the
 GRPO launch samples through `rowseeded.py` (each row from its own prompt-and-index seed, whatever the
-layout), and the test checks that both layouts trained on the same prompts, completions and advantages at
+layout; the first two rows of each group pinned to a right and a no-SQL answer, so every group has a reward
+difference and every step a gradient, on any machine), and the test checks that both layouts trained on the same prompts, completions and advantages at
 every step and ended with the same adapter.
 """
 
@@ -33,6 +34,7 @@ from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (t
 from safetensors.torch import load_file
 
 import rowseeded
+import scripted
 from slmsql import cli, configs, distributed
 from slmsql.sandbox import SandboxPool
 from slmsql.stages import grpo, sft
@@ -46,7 +48,7 @@ MARK = "SLMSQL_TEST_LAUNCH"  # set in every launched process (inherited by its c
 def grpo_options(policy, data, out, batch):
     return {"model": str(policy.model), "data": str(data), "db_root": str(policy.db_root), "output_dir": str(out),
             "max_steps": STEPS, "num_generations": G, "per_device_train_batch_size": batch,
-            "max_completion_length": 32, "save_steps": 2, "experiment": "mp-grpo", **LORA}
+            "max_completion_length": 40, "save_steps": 2, "experiment": "mp-grpo", **LORA}
 
 
 def sft_options(policy, out, batch):
@@ -109,7 +111,7 @@ def launched(policy, tmp_path_factory):
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
          "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
          str(ROOT / "tests/rowseeded.py"), "grpo", *argv(grpo_options(policy, data, root / "grpo", B))],
-        root, uri, SLMSQL_TEST_GROUP=str(G))
+        root, uri, SLMSQL_TEST_GROUP=str(G), SLMSQL_TEST_PIN_DATA=str(data), SLMSQL_TEST_PIN_MODEL=str(policy.model))
     sft_run = launch(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "slmsql.cli", "sft", *argv(sft_options(policy, root / "sft", B // 2))], root, uri)
@@ -173,7 +175,10 @@ def test_grpo_two_ranks_one_run_one_adapter(launched):
 def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tmp_path, monkeypatch):
     from transformers.generation.utils import GenerationMixin
 
-    monkeypatch.setattr(GenerationMixin, "generate", rowseeded.row_seeded(GenerationMixin.generate, G))
+    # as the launch samples: rows seeded by (prompt, index), the first two of each group pinned (a reward
+    # difference in every group, so both layouts have a gradient to compare on any machine)
+    scripted.install(monkeypatch, policy.model, scripted.right_and_no_sql_first(read(launched["data"])), G,
+                     sample=rowseeded.row_seeded(GenerationMixin.generate, G))
     one = tmp_path / "grpo1"
     grpo.main(configs.load(configs.GRPOStageConfig, None,
                            {**grpo_options(policy, launched["data"], one, 2 * B), "workers": 1}))

@@ -15,10 +15,26 @@ from hubstub import HubStub
 
 from slmsql.tracking import start_server
 
-pytestmark = pytest.mark.slow
 SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
          "grpo.num_generations=4 grpo.per_device_train_batch_size=8")
 REPO, BASE_REPO = "slmsql/toy-grpo", "slmsql/toy-sft"  # the pipeline's defaults
+
+
+def test_overrides_reach_their_stage_only_after_its_own_parameters(tmp_path):
+    """The fast part of this module: SHORT, as `slmsql pipeline --overrides` parses it, lands on every step of
+    the stage it names (over the step's own value) and on no other stage."""
+    from slmsql import configs, workflow
+
+    cfg = configs.load(configs.PipelineConfig, None, {"overrides": SHORT})
+    assert cfg.overrides["sft.max_steps"] == 400 and cfg.overrides["grpo.num_generations"] == 4
+    steps = workflow.Steps.__new__(workflow.Steps)  # params() alone: no store needed
+    steps.out, steps.experiment, steps.seed, steps.overrides = tmp_path, "e", 3, cfg.overrides
+    sft = steps.params("sft", "sft", {"max_steps": 800, "data": "runs:/x/sft.jsonl"})
+    assert (sft["max_steps"], sft["data"], sft["seed"]) == (400, "runs:/x/sft.jsonl", 3)
+    grpo = steps.params("grpo", "grpo", {})
+    assert {k: grpo[k] for k in ("max_steps", "save_steps", "num_generations")} == {
+        "max_steps": 3, "save_steps": 2, "num_generations": 4}
+    assert "max_steps" not in steps.params("evaluate", "eval-sft-dev", {})
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +70,7 @@ def _path():
     return f"{sys.prefix}/bin:{os.environ['PATH']}"
 
 
+@pytest.mark.slow
 def test_lifecycle_runs_and_prints_headline(lifecycle):
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -61,6 +78,7 @@ def test_lifecycle_runs_and_prints_headline(lifecycle):
     assert "EX dev" in run.stdout and "model card" in run.stdout
 
 
+@pytest.mark.slow
 def test_every_step_is_a_child_run_with_its_metrics_and_artifacts(lifecycle, monkeypatch):
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -104,6 +122,7 @@ def _runs(uri):
     return client, exp, parent, {r.info.run_name: r for r in runs if r is not parent}
 
 
+@pytest.mark.slow
 def test_every_run_describes_its_result_in_documented_names(lifecycle):
     from slmsql import tracking, vocabulary
 
@@ -132,6 +151,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
     assert f"Filter: {m['filter/band']:.0f} band questions of {m['filter/n_source']:.0f}" in note
 
 
+@pytest.mark.slow
 def test_lineage_run_uris_and_dataset_inputs(lifecycle):
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -149,6 +169,7 @@ def test_lineage_run_uris_and_dataset_inputs(lifecycle):
     assert inputs["eval-sft-dev"] == inputs["eval-grpo-dev"] and {n for n, _ in inputs["eval-sft-dev"]} == {"toy-dev"}
 
 
+@pytest.mark.slow
 def test_card_states_the_measured_numbers(lifecycle):
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -165,6 +186,7 @@ def test_card_states_the_measured_numbers(lifecycle):
     assert f"{100 * ex:.1f}%" in card
 
 
+@pytest.mark.slow
 def test_rerun_reuses_finished_steps(lifecycle):
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -174,6 +196,7 @@ def test_rerun_reuses_finished_steps(lifecycle):
     assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing
 
 
+@pytest.mark.slow
 def test_pushed_to_the_hub_and_registered(lifecycle, monkeypatch, tmp_path):
     """What arrived: the SFT model (its own commit and card, citing the runs that made it), the adapter naming it
     as base; the registry's text2sql model answers the dev questions with evaluate's SQL; no token anywhere."""

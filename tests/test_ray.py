@@ -41,6 +41,7 @@ from ci_env import in_ci
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
+from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
 if "ray" not in sys.modules:  # before the first `import ray` of this process, which reads them
@@ -54,12 +55,27 @@ except ImportError:
                     pytrace=False)
     pytest.skip("Ray is not installed (pip install -e '.[ray]')", allow_module_level=True)
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("band.jsonl", "passrates.jsonl", "summary.json")
 # Small batches on Ray (rows trickle back: the fault tests can strike mid-run) against the local engine's
 # defaults (batch 16, chunks of 32): a different partitioning of the same questions.
 RAY_OPTS = {"engine": "ray", "batch_size": 4, "ray_score_batch": 4}
+
+
+def test_engine_ray_without_ray_is_refused_before_any_output(shop, tmp_path, monkeypatch):
+    """The fast part of this module (no Ray started): where Ray cannot be imported, --engine ray fails with what
+    to install, before an output folder or an MLflow run exists."""
+    gold = write(tmp_path / "gold.jsonl", [{"id": "q1", "db_id": "shop", "question": "Names?",
+                                            "sql": "SELECT name FROM item"}])
+    preds = write(tmp_path / "preds.jsonl", [{"id": "q1", "sql": "SELECT name FROM item"}])
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    cfg = configs.load(configs.EvaluateConfig, None, {"data": str(gold), "db_root": str(shop),
+                                                      "predictions": str(preds), "output_dir": str(tmp_path / "out"),
+                                                      "engine": "ray"})
+    with pytest.raises(SlmsqlError, match=r"--engine ray needs Ray: pip install -e '\.\[ray\]'"):
+        evaluate.main(cfg)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    assert mlflow.search_runs(search_all_experiments=True, output_format="list") == []
 
 
 def filter_args(policy, data, out) -> dict:
@@ -126,6 +142,7 @@ def session_processes(sid: int) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.slow
 def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path):
     data, ref, ref_metrics = reference
     port = free_port()
@@ -186,6 +203,7 @@ def local_ray():
     shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_path):
     def run(out, **over):
         return evaluate.main(configs.load(configs.EvaluateConfig, None, {
@@ -233,6 +251,7 @@ def _ray_children(names: tuple[str, ...]) -> dict[str, psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(policy, reference, local_ray,
                                                                            tmp_path):
     """SIGKILL the scoring actor while it scores its first batch (its sandbox pool has started: the actor has
@@ -269,6 +288,7 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
     assert not left_holding(policy.db_root), "sandbox workers outlived their actors"
 
 
+@pytest.mark.slow
 def test_killed_driver_resumes_from_finished_questions(policy, reference, local_ray, tmp_path):
     """`slmsql filter --engine ray` joins the shared Ray as its own driver process and is SIGKILLed once the
     first rows are in; the rerun keeps those rows (marked here), scores only the rest, continues the same

@@ -25,9 +25,22 @@ import psutil
 import pytest
 from ci_env import in_ci
 
-pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).parents[1] / "examples"
 USER, DB = "slmsql", "mlflow"
+
+
+def test_the_team_store_uri_reaches_mlflow_server_as_given_with_its_driver_installed():
+    """The fast part of this module (nothing started): the PostgreSQL URI the team set-up uses goes to
+    `mlflow server` unchanged, and its driver (the test extra's psycopg2) is importable, so the server can start."""
+    import sqlalchemy
+
+    from slmsql.tracking import server_command
+
+    uri = f"postgresql+psycopg2://{USER}:secret@127.0.0.1:5432/{DB}"
+    cmd = server_command("127.0.0.1", 5000, uri, Path("artifacts"))
+    assert cmd[cmd.index("--backend-store-uri") + 1] == uri
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--serve-artifacts" in cmd
+    assert sqlalchemy.engine.make_url(uri).get_dialect().import_dbapi().__name__ == "psycopg2"
 
 
 def unavailable(reason: str):
@@ -214,6 +227,7 @@ def team_server(tmp_path):
         server.close()  # idempotent: the test stops it itself to check that nothing is left running
 
 
+@pytest.mark.slow
 def test_stage_tracked_on_mlflow_server_with_postgresql_backend(team_server, tmp_path):
     import mlflow
     import psycopg2

@@ -22,6 +22,7 @@ import urllib.request
 import mlflow
 import psutil
 import pytest
+import scripted
 import torch
 from hubstub import HubStub
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
@@ -31,6 +32,25 @@ from slmsql.data import db_path
 
 REPO, BASE_REPO, NAME = "stub-user/toy-grpo", "stub-user/toy-sft", "toy-grpo"
 MAX_NEW_TOKENS = 48
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"question": "", "schema": "CREATE TABLE t (a INT)"}], "row 1: field 'question': a non-empty string"),
+    ([{"question": "How many?", "schema": "CREATE TABLE t (a INT)"}, {"question": "How many?"}],
+     "row 2: give exactly one of the fields schema and db_path \\(got neither\\)"),
+    ([{"question": "How many?", "schema": "CREATE TABLE t (a INT)", "db_path": "t.sqlite"}],
+     "row 1: give exactly one of the fields schema and db_path \\(got schema and db_path\\)"),
+])
+def test_served_model_refuses_bad_rows_naming_row_and_field(rows, message):
+    """The fast part of this module (no model): what the pyfunc refuses before it generates anything, as an
+    invalid-parameter error (the scoring server answers 400 with the message, not 500)."""
+    from mlflow.exceptions import MlflowException
+
+    from slmsql import text2sql
+
+    with pytest.raises(MlflowException, match="text2sql input: " + message) as e:
+        text2sql.Text2SQL().predict(None, rows)
+    assert e.value.error_code == "INVALID_PARAMETER_VALUE"
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +63,15 @@ def shipped(policy, tmp_path_factory):
     with tracking_store(uri), HubStub() as hub, pytest.MonkeyPatch.context() as mp:
         hub.configure_client(mp)
         mp.chdir(root)  # the publish run's artifacts (./mlruns) land in this folder, which the token scan reads
-        grpo.main(configs.load(configs.GRPOStageConfig, None, {
-            "data": str(band), "db_root": str(policy.db_root), "model": str(policy.model),
-            "output_dir": str(root / "grpo"), "num_generations": 4, "per_device_train_batch_size": 8,
-            "max_completion_length": 32, "max_steps": 2, "learning_rate": 0.02, "save_steps": 2,
-            "completions_every": 2, "workers": 1, "lora_r": 8, "lora_alpha": 16}))
+        find = scripted.question_of(read(band))
+        with pytest.MonkeyPatch.context() as sampled:  # GRPO on scripted groups (1 right, 3 wrong): it trains
+            scripted.install(sampled, policy.model, lambda p, i: scripted.right(find(p)) if i == 0 else scripted.WRONG,
+                             group=4)
+            grpo.main(configs.load(configs.GRPOStageConfig, None, {
+                "data": str(band), "db_root": str(policy.db_root), "model": str(policy.model),
+                "output_dir": str(root / "grpo"), "num_generations": 4, "per_device_train_batch_size": 8,
+                "max_completion_length": 40, "max_steps": 2, "learning_rate": 0.02, "save_steps": 2,
+                "completions_every": 2, "workers": 1, "lora_r": 8, "lora_alpha": 16}))
         client = mlflow.MlflowClient()
         grpo_run = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0].info.run_id
         evaluate.main(configs.load(configs.EvaluateConfig, None, {
@@ -97,7 +121,6 @@ def test_registered_model_answers_as_evaluate_did(store, policy, how):
     preds = store["predictions"]
     assert [preds[i]["completion"] for i in ids] == list(out["completion"])  # greedy: the same text ...
     assert [preds[i]["sql"] for i in ids] == [None if pd.isna(s) else s for s in out["sql"]]  # ... and SQL
-    assert sum(preds[i]["sql"] is not None for i in ids) >= 20  # the policy answers in ```sql blocks
 
 
 def test_registered_model_is_the_published_one(store, policy):
