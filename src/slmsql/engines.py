@@ -52,7 +52,7 @@ class Work:
         if not have_db:
             return {}
         return dict(zip([e.id for e in have_db], generation.complete(
-            cfg, have_db, policy, k=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, progress=progress)))
+            cfg, have_db, policy, k=cfg.k, sampling=cfg.sampling(), progress=progress)))
 
     def score(self, examples: list[Example], payloads: dict[str, object], pool) -> list[dict]:
         cfg = self.cfg

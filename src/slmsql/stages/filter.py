@@ -21,8 +21,8 @@ from ..figures import histogram_figure
 from ..passrates import CHUNK, bucket_summary, load_finished
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "max_new_tokens", "seed",
-               "prompt_style", "example_values", "match", "timeout_s")
+RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
+               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "match", "timeout_s")
 
 
 def main(cfg: FilterConfig) -> dict:
