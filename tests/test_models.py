@@ -249,11 +249,3 @@ def test_bad_generation_arguments(loaded):
     with pytest.raises(SlmsqlError, match="top_p"):
         generate(model, tok, PROMPTS, top_p=0)
     assert generate(model, tok, [], progress=False) == []
-
-
-def test_vllm_backend_not_installed(loaded, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(SlmsqlError, match="vllm is not installed"):
-        generate(*loaded, PROMPTS, backend="vllm")

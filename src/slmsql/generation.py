@@ -1,5 +1,5 @@
 """From gold questions to model completions: prompts -> batched generation (transformers or, when installed,
-vLLM) -> extracted SQL. Shared by evaluate (greedy, one completion) and filter (K samples at a temperature).
+vLLM: vllm_engine.py) -> extracted SQL. Shared by evaluate (greedy, one completion) and filter (K samples at a temperature).
 
 Prompts are complete model inputs (chat template already applied), so no special tokens are added.
 Sampling takes temperature, top_p, top_k, min_p and repetition_penalty from the arguments only (the filter
@@ -27,9 +27,9 @@ from .extract import extract_sql
 from .prompts import builder_for, render_prompt
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    # Instruct checkpoints list several stop tokens (Qwen: <|im_end|> and <|endoftext|>); stop on any of them.
-    ids = model.generation_config.eos_token_id
+def eos_ids(generation_config, tokenizer) -> list[int]:
+    """The stop tokens: instruct checkpoints list several (Qwen: <|im_end|> and <|endoftext|>); stop on any."""
+    ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
@@ -121,8 +121,7 @@ def generate(
     of a prompt is drawn with `sample_seed(seed, key, i)`, where `keys` name the prompts (the filter passes
     question ids; default: the prompt text), so it does not depend on the batch, the call, or what ran before.
     With the transformers backend, prompts are batched longest first (least padding), `batch_size` prompts
-    (x K samples) per batch. vLLM seeds each prompt with `sample_seed(seed, key, 0)`; there `model` is a
-    `vllm.LLM` or a path / Hub id, and `tokenizer` is unused.
+    (x K samples) per batch. With backend 'vllm', `model` is a `vllm_engine.Engine` (see vllm_engine.py).
     """
     _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
                 batch_size)
@@ -131,8 +130,14 @@ def generate(
     elif len(keys) != len(prompts):
         raise SlmsqlError(f"{len(keys)} keys for {len(prompts)} prompts")
     if backend == "vllm":
-        return _generate_vllm(model, prompts, keys, num_return_sequences, temperature, top_p, max_new_tokens, seed,
-                              progress, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+        from . import vllm_engine
+
+        if not isinstance(model, vllm_engine.Engine):
+            raise SlmsqlError(f"backend 'vllm' needs a vllm_engine.Engine, got {type(model).__name__}")
+        return vllm_engine.generate(model, tokenizer, prompts, keys, k=num_return_sequences,
+                                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                    repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, seed=seed,
+                                    batch_size=batch_size, progress=progress)
     if backend != "transformers":
         raise SlmsqlError(f"unknown generation backend '{backend}' (use transformers or vllm)")
     if not prompts:
@@ -151,7 +156,7 @@ def generate(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=_eos_ids(model, tokenizer),
+        eos_token_id=eos_ids(model.generation_config, tokenizer),
         repetition_penalty=repetition_penalty if sampling else 1.0,
     )
     model.eval()
@@ -176,31 +181,6 @@ def generate(
                 results[i] = texts[j * n_gen : (j + 1) * n_gen] * (num_return_sequences // n_gen)
             bar.update(len(idx))
     return results
-
-
-def _generate_vllm(model, prompts, keys, k, temperature, top_p, max_new_tokens, seed, progress, *, top_k=0, min_p=0.0,
-                   repetition_penalty=1.0) -> list[list[str]]:
-    try:
-        import vllm
-    except ImportError as e:
-        raise SlmsqlError("backend 'vllm' was asked for but vllm is not installed (pip install vllm)") from e
-    if isinstance(model, vllm.LLM):
-        llm = model
-    elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        llm = vllm.LLM(model=str(model), seed=seed)
-    else:
-        raise SlmsqlError(f"backend 'vllm' needs a vllm.LLM or a model path / Hub id, got {type(model).__name__}")
-    n = k if temperature > 0 else 1  # greedy: one answer, repeated below as with transformers
-    params = [
-        vllm.SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            repetition_penalty=repetition_penalty if temperature > 0 else 1.0, max_tokens=max_new_tokens,
-            seed=sample_seed(seed, key, 0), skip_special_tokens=True,
-        )
-        for key in keys
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=progress)  # returned in input order
-    return [[c.text for c in o.outputs] * (k // n) for o in outputs]
 
 
 def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
