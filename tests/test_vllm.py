@@ -165,3 +165,18 @@ def test_evaluate_with_vllm_serves_the_adapter(policy, adapter, tmp_path, capsys
     without = {r["id"]: r["sql"] for r in read(tmp_path / "base" / "predictions.jsonl")}
     assert base["n"] == got["vllm"][0]["n"]
     assert sum(with_adapter[i] != without[i] for i in without) > 0  # vLLM applied the adapter
+
+
+def test_grpo_with_use_vllm_says_when_vllm_is_outside_trls_range(tmp_path, shop, monkeypatch, caplog):
+    from slmsql import vllm_engine
+    from slmsql.data import read_gold
+    from slmsql.stages import grpo
+
+    data = _questions(tmp_path, shop)
+    cfg = configs.load(configs.GRPOStageConfig, None, {"data": str(data), "db_root": str(shop),
+                                                       "trainer_args": "use_vllm=true vllm_mode=colocate"})
+    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False)):
+        monkeypatch.setattr(vllm_engine, "version", lambda: have)
+        caplog.clear()
+        grpo.check_args(cfg, read_gold(data))
+        assert any("outside the range TRL supports" in r.message for r in caplog.records) == warned, have
