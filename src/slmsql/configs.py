@@ -109,6 +109,32 @@ class Model(Prompt):
 
 
 @dataclass
+class Sampling:
+    """The sampling distribution of the filter's K samples and of GRPO's rollouts: one set of fields mixed into
+    both, so the band is measured under the distribution GRPO trains with. Each is passed explicitly (to TRL's
+    GRPOConfig field of the same name, to generation.py's sampler), so a checkpoint's generation_config.json
+    (Qwen instruct: top_p 0.8, top_k 20, repetition_penalty 1.05) never fills one in. Evaluate is greedy."""
+
+    temperature: float = opt(0.8, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling p (1: off).")
+    top_k: int = opt(0, "Top-k sampling (0: off).")
+    min_p: float = opt(0.0, "Min-p sampling (0: off).")
+    repetition_penalty: float = opt(1.0, "Repetition penalty on prompt and completion tokens (1: off).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, ok, want in (("temperature", self.temperature > 0, "> 0"),
+                               ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k >= 0, ">= 0"),
+                               ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+                               ("repetition_penalty", self.repetition_penalty > 0, "> 0")):
+            if not ok:
+                raise DataError(f"must be {want}, got {getattr(self, name)}", "config", field=name)
+
+    def sampling(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)}
+
+
+@dataclass
 class ToyConfig(Common):
     """Generate the embedded toy world: SQLite databases and gold questions in four splits."""
 
@@ -178,7 +204,7 @@ class SFTStageConfig(Lora, Prompt, Common):
 
 
 @dataclass
-class FilterConfig(Model, Workers, Engine, Common):
+class FilterConfig(Model, Sampling, Workers, Engine, Common):
     """Sample the policy K times per question and bucket questions by pass rate."""
 
     key_metrics: ClassVar = ("band", "all_fail", "all_pass", "out_of_band", "errors")
@@ -188,13 +214,11 @@ class FilterConfig(Model, Workers, Engine, Common):
     k: int = opt(8, "Samples per question.")
     low: float = opt(0.2, "Band lower bound (exclusive).")
     high: float = opt(0.8, "Band upper bound (exclusive).")
-    temperature: float = opt(0.8, "Sampling temperature.")
-    top_p: float = opt(1.0, "Nucleus sampling p.")
     output_dir: str = opt("outputs/filter", "Folder for band.jsonl, passrates.jsonl, summary.json.")
 
 
 @dataclass
-class GRPOStageConfig(Lora, Workers, Prompt, Common):
+class GRPOStageConfig(Lora, Sampling, Workers, Prompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
@@ -225,7 +249,6 @@ class GRPOStageConfig(Lora, Workers, Prompt, Common):
     lr_scheduler_type: str = opt("cosine", "Learning-rate schedule.")
     beta: float = opt(0.0, "KL coefficient (0: no reference model).")
     epsilon: float = opt(0.2, "PPO clip epsilon.")
-    temperature: float = opt(0.8, "Sampling temperature.")
     max_steps: int = opt(50, "Optimizer steps.")
     max_completion_length: int = opt(64, "Generation budget per completion.")
     logging_steps: int = opt(1, "Log metrics every N steps.")

@@ -35,10 +35,24 @@ class Work:
     stage: str  # "filter" or "evaluate"
     cfg: object  # its FilterConfig / EvaluateConfig
 
-    def load_policy(self):
+    def load_policy(self, examples: list[Example] = ()):
+        """(model, tokenizer); with --backend vllm (vllm_engine.Engine, tokenizer), sized for `examples`."""
         from . import models  # looked up at call time, so tests can stand in a fake model
 
-        return models.load_model(self.cfg.model, self.cfg.adapter or None)
+        if self.cfg.backend != "vllm":
+            return models.load_model(self.cfg.model, self.cfg.adapter or None)
+        from . import generation, vllm_engine
+        from .data import db_path
+
+        tokenizer = models.load_tokenizer(self.cfg.model)
+        have_db = [e for e in examples if db_path(self.cfg.db_root, e.db_id).is_file()]
+        lengths = [len(x) for x in tokenizer(generation.prompts_for(self.cfg, have_db, tokenizer),
+                                             add_special_tokens=False)["input_ids"]] if have_db else []
+        return vllm_engine.load(self.cfg, lengths, tokenizer)
+
+    def sampling(self) -> dict | None:
+        """The filter's sampling settings (configs.Sampling); None: evaluate's greedy decoding."""
+        return self.cfg.sampling() if self.stage == "filter" else None
 
     def generate(self, examples: list[Example], policy, progress: bool = True) -> dict[str, object]:
         """id -> payload. The filter skips questions whose database is missing (scored as errors)."""
@@ -52,7 +66,7 @@ class Work:
         if not have_db:
             return {}
         return dict(zip([e.id for e in have_db], generation.complete(
-            cfg, have_db, policy, k=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, progress=progress)))
+            cfg, have_db, policy, k=cfg.k, sampling=self.sampling(), progress=progress)))
 
     def score(self, examples: list[Example], payloads: dict[str, object], pool) -> list[dict]:
         cfg = self.cfg
@@ -97,11 +111,25 @@ def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], Non
         raise SlmsqlError(f"engine {work.cfg.engine} returned no row for {len(lost)} questions, e.g. {lost[:3]}")
 
 
-def check(work: Work, generating: bool):
+def run_params(work: Work) -> dict:
+    """Params beside the config's: the vLLM version generation ran with."""
+    if work.cfg.backend != "vllm":
+        return {}
+    from . import vllm_engine
+
+    return {"vllm_version": vllm_engine.version()}
+
+
+def check(work: Work, generating: bool, examples: list[Example] = ()):
     """Fail before any output folder or MLflow run exists: the local engine loads the model (returned, to be
-    reused), the Ray engine checks that Ray is installed and the model's config and tokenizer load."""
+    reused; with --backend vllm, after vllm_engine.check, the engine sized for `examples`), the Ray engine
+    checks that Ray is installed and the model's config and tokenizer load."""
+    if generating and work.cfg.backend == "vllm":
+        from . import vllm_engine
+
+        vllm_engine.check(work.cfg, work.sampling())
     if work.cfg.engine != "ray":
-        return work.load_policy() if generating else None
+        return work.load_policy(examples) if generating else None
     _import_ray()
     if generating:
         from .models import load_tokenizer
@@ -116,7 +144,7 @@ def _run_local(work, examples, on_rows, payloads, chunk, policy=None):
     from .sandbox import SandboxPool
 
     if payloads is None and policy is None:
-        policy = work.load_policy()
+        policy = work.load_policy(examples)
     with SandboxPool(work.cfg.workers or None, work.limits()) as pool:
         for start in range(0, len(examples), chunk):
             part = examples[start:start + chunk]

@@ -63,10 +63,10 @@ def main(cfg: EvaluateConfig) -> dict:
     from .. import engines
 
     work = engines.Work("evaluate", cfg)
-    policy = engines.check(work, generating=not cfg.predictions)  # a bad model fails before any output exists
+    policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model fails before any output exists
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
-    with st, tracking.stage_run("evaluate", cfg, tags=tags) as run:
+    with st, tracking.stage_run("evaluate", cfg, engines.run_params(work), tags=tags) as run:
         work_dir = st.work
         tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}

@@ -21,8 +21,8 @@ from ..figures import histogram_figure
 from ..passrates import CHUNK, bucket_summary, load_finished
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "max_new_tokens", "seed",
-               "prompt_style", "example_values", "match", "timeout_s")
+RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
+               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "match", "timeout_s")
 
 
 def main(cfg: FilterConfig) -> dict:
@@ -42,11 +42,12 @@ def main(cfg: FilterConfig) -> dict:
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
     # then refuse to resume ("unfinished run with other parameters").
     work = engines.Work("filter", cfg)
-    policy = engines.check(work, generating=True)
+    policy = engines.check(work, generating=True, examples=examples)
 
     # sample and score on the engine; every finished row goes to disk at once (resume)
     tags = {"slmsql.model": cfg.model, "slmsql.adapter": cfg.adapter}
-    with st, tracking.stage_run("filter", cfg, tags=tags, run_id=st.run_id, system_metrics=True) as run:
+    with st, tracking.stage_run("filter", cfg, engines.run_params(work), tags=tags, run_id=st.run_id,
+                                system_metrics=True) as run:
         st.bind(run.info.run_id)
         work_dir, out = st.work, st.out
         done = load_finished(work_dir / "passrates.jsonl", examples)

@@ -32,6 +32,11 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
+    if cfg.trainer_args.get("use_vllm"):  # TRL's own warning is easy to miss among vLLM's start-up lines
+        from ..vllm_engine import trl_range_note
+
+        if note := trl_range_note():
+            log.warning(note)
     if "pass_rate" not in examples[0].extra:
         log.warning("%s has no pass_rate column: training on it as plain data, not a filtered band", cfg.data)
 

