@@ -96,16 +96,27 @@ class Prompt:
                             "(OmniSQL's CREATE TABLE format with example values, for Qwen2.5-Coder).",
                             choices=("compact", "omnisql"))
     example_values: int = opt(0, "Example values per column in omnisql-style prompts.")
+    tables_json: str = opt("", "Spider/BIRD tables.json: schemas of the databases it lists come from it (original "
+                           "names, no example values), the others from their .sqlite files.")
 
 
 @dataclass
-class Model(Prompt):
+class PolicyPrompt(Prompt):
+    """Prompt settings of a stage that prompts a trained policy: they must be those it was trained on."""
+
+    allow_prompt_change: bool = opt(False, "Build prompts other than those the policy was trained on (its "
+                                    "slmsql_prompt.json): refused otherwise.")
+
+
+@dataclass
+class Model(PolicyPrompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
     backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed).",
                        choices=("transformers", "vllm"))
+    limit: int = opt(0, "Use only the first N questions of --data (0: all).")
 
 
 @dataclass
@@ -159,7 +170,7 @@ class Lora:
 
 
 @dataclass
-class SFTStageConfig(Lora, Prompt, Common):
+class SFTStageConfig(Lora, PolicyPrompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
@@ -173,7 +184,9 @@ class SFTStageConfig(Lora, Prompt, Common):
     learning_rate: float = opt(3e-3, "Peak learning rate.")
     max_steps: int = opt(800, "Optimizer steps.")
     per_device_train_batch_size: int = opt(16, "Batch size.")
-    max_length: int = opt(384, "Truncate prompt+completion to this many tokens.")
+    max_length: int = opt(384, "Longest example (prompt + answer, in the model's tokens): a longer one is refused, "
+                          "since truncation would cut its answer.")
+    drop_long: bool = opt(False, "Leave out examples longer than --max-length (counted, logged) instead of refusing.")
     output_dir: str = opt("outputs/sft", "Folder for the trained policy.")
 
 
@@ -194,7 +207,7 @@ class FilterConfig(Model, Workers, Engine, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Workers, Prompt, Common):
+class GRPOStageConfig(Lora, Workers, PolicyPrompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",

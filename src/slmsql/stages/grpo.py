@@ -41,8 +41,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import descriptions, distributed, figures, grpo_variants, rewards, tables, tracking, training
-    from ..models import check_adapter_base, load_model, record_stack
+    from .. import descriptions, distributed, figures, grpo_variants, promptcheck, rewards, tables, tracking, training
+    from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -54,6 +54,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     check_args(cfg, examples)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
+    prompt, token_metrics = promptcheck.preflight(
+        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.base_adapter),
+        new_tokens=cfg.max_completion_length)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it
     st = Staged(cfg.output_dir, cfg.overwrite, identity=identity, resume=cfg.resume)
@@ -65,7 +68,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter,
             "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else "none"}
 
-    with st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id, system_metrics=True) as run, \
+    with st, tracking.stage_run("grpo", cfg, params=promptcheck.params(prompt), tags=tags, run_id=st.run_id,
+                                system_metrics=True) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
         work, main = st.work, distributed.is_main()
@@ -75,6 +79,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
         if main:
             tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
+            mlflow.log_metrics(token_metrics)
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
@@ -116,6 +121,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                 # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
                 record_stack(final, cfg.base_adapter, merged=not continue_adapter)
             write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
+            promptcheck.record(final, prompt)
             mlflow.log_metrics(summary)
             tracking.describe(descriptions.grpo_note(summary))
             if (curves := figures.training_curves(trainer.state.log_history)) is not None:

@@ -32,15 +32,22 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, tracking, training
-    from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
+    from .. import descriptions, distributed, promptcheck, tokens, tracking, training
+    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
 
-    # args: every check before any model loads
+    # args: every check before any model loads, the token budget and the prompt settings included
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
     st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    prompt = promptcheck.settings(cfg, tokenizer)
+    promptcheck.check_trained_with(promptcheck.policy_folder(cfg.model, cfg.base_adapter), prompt,
+                                   cfg.allow_prompt_change)
+    rows = conversations(cfg, examples)
+    keep, token_metrics = tokens.check_sft(tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
+                                           drop=cfg.drop_long, source=cfg.data)
     # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
     # initialises the process group, which the output folder and the run below coordinate through
     args = training.trl_config(
@@ -48,13 +55,14 @@ def main(cfg: SFTStageConfig) -> dict:
         warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
         gradient_checkpointing=False, dataloader_num_workers=0)
 
-    with st, tracking.stage_run("sft", cfg, tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter},
-                                system_metrics=True):
+    with st, tracking.stage_run("sft", cfg, params=promptcheck.params(prompt), system_metrics=True,
+                                tags={"slmsql.model": cfg.model, "slmsql.base_adapter": cfg.base_adapter}):
         # data
-        train = Dataset.from_list(conversations(cfg, examples))
+        train = Dataset.from_list([rows[j] for j in keep])
         main = distributed.is_main()
         if main:
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
+            mlflow.log_metrics(token_metrics)
         # model
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
@@ -69,7 +77,7 @@ def main(cfg: SFTStageConfig) -> dict:
             raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
         work = st.work
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
-                   "steps": trainer.state.global_step, "examples": len(examples),
+                   "steps": trainer.state.global_step, "examples": len(keep),
                    "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way. By the main
         # process only: every process holds the same weights after the last synchronised step.
@@ -80,6 +88,7 @@ def main(cfg: SFTStageConfig) -> dict:
             training.save_policy(trainer.model, tokenizer, work)
             if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
                 record_stack(work, cfg.base_adapter, merged=False)
+            promptcheck.record(work, prompt)
             write_json(work / "sft_summary.json", summary)
             mlflow.log_metrics(tracking.numeric(summary))
             mlflow.set_tag("slmsql.policy_kind", summary["kind"])
