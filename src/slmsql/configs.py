@@ -294,6 +294,10 @@ class PipelineConfig(Common):
                              "eval-sft-dev_cross/ex", "eval-grpo-dev_cross/ex", "eval-grpo-dev_cross/vs_baseline/p")
 
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
+    model: str = opt("", "A pretrained chat model (Hub id or path) to run the lifecycle on: it is evaluated "
+                     "zero-shot, then trained as the recipes say. Empty: the embedded tiny model, built here.")
+    recipes: str = opt("", "Folder of stage recipes (<stage>.yaml, e.g. recipes/smollm2-135m): each applies to "
+                       "every step of its stage, under the pipeline's own wiring and --overrides.")
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
     repo_id: str = opt("slmsql/toy-grpo", "Hub repo id of the GRPO adapter.")
@@ -512,27 +516,32 @@ RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]
                                    list("-+0123456789"))
 
 
+def recipe_values(cls, recipe) -> dict:
+    """The fields a YAML recipe sets, coerced to `cls`'s types; errors name the file, line and field."""
+    names = {f.name for f in fields(cls)}
+    path = Path(recipe)
+    if not path.is_file():
+        raise DataError("recipe not found", path)
+    try:
+        doc = yaml.load(path.read_text(), Loader=RecipeLoader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
+    if not isinstance(doc, dict):
+        raise DataError("a recipe is a mapping of field: value", path)
+    values = {}
+    for k, v in doc.items():
+        if k not in names:
+            raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
+        values[k] = coerce(cls, k, v, path)
+    return values
+
+
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
          defaults_yield: bool = False):
     """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring).
     `defaults_yield`: command-line values equal to the default do not override the recipe (mlflow run)."""
-    names = {f.name for f in fields(cls)}
-    values = {}
-    if recipe:
-        path = Path(recipe)
-        if not path.is_file():
-            raise DataError("recipe not found", path)
-        try:
-            doc = yaml.load(path.read_text(), Loader=RecipeLoader) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
-        if not isinstance(doc, dict):
-            raise DataError("a recipe is a mapping of field: value", path)
-        for k, v in doc.items():
-            if k not in names:
-                raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
-            values[k] = coerce(cls, k, v, path)
+    values = recipe_values(cls, recipe) if recipe else {}
     defaults = cls()
     for k, v in (cli or {}).items():
         if v is None:
