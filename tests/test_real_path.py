@@ -180,3 +180,63 @@ def test_pipeline_recipes_refuse_bad_files(tmp_path):
         workflow.recipes_of(str(tmp_path))
     with pytest.raises(SlmsqlError, match=r"--recipes .*nowhere: no such folder"):
         workflow.recipes_of(str(tmp_path / "nowhere"))
+
+
+class FakeSteps:
+    """Stands in for workflow.Steps: records each step's parameters, runs nothing. The SFT step reports the
+    policy kind a LoRA SFT run tags."""
+
+    def __init__(self, experiment_id, **kwargs):
+        import types
+
+        self.calls, self.experiment_id, self.out, self.types = {}, experiment_id, Path("out"), types
+        self.policy_kind = FakeSteps.policy_kind
+
+    def run(self, stage, name, tags=None, **given):
+        t = self.types
+        self.calls[name] = (stage, given)
+        metrics = {"ex": 0.5, "vs_baseline/p": 1.0, "band": 3.0}
+        return t.SimpleNamespace(info=t.SimpleNamespace(run_id=f"id-{name}"), data=t.SimpleNamespace(
+            metrics=metrics, tags={"slmsql.policy_kind": self.policy_kind, "slmsql.verdict": "no significant difference"}))
+
+    def uri(self, run, path):
+        return f"runs:/{run.info.run_id}/{path}"
+
+
+@pytest.mark.parametrize("kind", ["adapter", "full"])
+def test_pipeline_on_a_pretrained_model_wires_zero_shot_and_the_sft_adapter(monkeypatch, kind):
+    from slmsql.stages import pipeline
+
+    FakeSteps.policy_kind = kind
+    made = {}
+    monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
+    pipeline.main(configs.PipelineConfig(model="org/some-chat-model"))
+    calls = made["s"].calls
+    assert "tiny-model" not in calls
+    assert list(calls)[:3] == ["toy", "eval-zeroshot-dev", "eval-zeroshot-dev_cross"]
+    assert calls["eval-zeroshot-dev"][1]["model"] == "org/some-chat-model" and "adapter" not in calls["eval-zeroshot-dev"][1]
+    assert calls["sft"][1]["model"] == "org/some-chat-model"
+    sft_eval, grpo_eval = calls["eval-sft-dev"][1], calls["eval-grpo-dev"][1]
+    assert sft_eval["baseline_run"] == "id-eval-zeroshot-dev" and grpo_eval["baseline_run"] == "id-eval-sft-dev"
+    assert grpo_eval["adapter"] == "runs:/id-grpo/adapter"
+    if kind == "adapter":  # the adapter rides on the pretrained model everywhere
+        assert (calls["filter"][1]["model"], calls["filter"][1]["adapter"]) == ("org/some-chat-model", "runs:/id-sft/policy")
+        assert {k: calls["grpo"][1][k] for k in ("model", "base_adapter", "adapter_mode")} == {
+            "model": "org/some-chat-model", "base_adapter": "runs:/id-sft/policy", "adapter_mode": "continue"}
+        assert sft_eval["adapter"] == "runs:/id-sft/policy" and grpo_eval["model"] == "org/some-chat-model"
+        assert calls["publish"][1]["base_repo"] == ""  # the base is on the Hub already
+    else:  # a full fine-tune is a model of its own, pushed as the adapter's base
+        assert calls["filter"][1]["model"] == calls["grpo"][1]["model"] == "runs:/id-sft/policy"
+        assert calls["publish"][1]["base_repo"] == "slmsql/toy-sft"
+
+
+def test_toy_pipeline_builds_the_tiny_model_and_evaluates_no_zero_shot(monkeypatch):
+    from slmsql.stages import pipeline
+
+    FakeSteps.policy_kind = "full"
+    made = {}
+    monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
+    pipeline.main(configs.PipelineConfig())
+    calls = made["s"].calls
+    assert list(calls)[:3] == ["toy", "tiny-model", "sft"] and not any("zeroshot" in c for c in calls)
+    assert calls["sft"][1]["model"] == "runs:/id-tiny-model/model" and calls["eval-sft-dev"][1]["baseline_run"] == ""
