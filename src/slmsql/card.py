@@ -300,6 +300,7 @@ def context(runs: Runs, cfg) -> dict:
         "base_model": cfg.base_repo if runs.base else hub_id(model) or model,
         "base_on_hub": runs.base is not None or hub_id(model) is not None,
         "base_pushed": runs.base is not None, "model_tag": model,
+        "provenance": runs.grpo.data.tags.get("slmsql.model_provenance", ""),
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
         "start": start, "tldr": summary, "results": results, "sweep": sweep,
         "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",

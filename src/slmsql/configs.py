@@ -96,16 +96,27 @@ class Prompt:
                             "(OmniSQL's CREATE TABLE format with example values, for Qwen2.5-Coder).",
                             choices=("compact", "omnisql"))
     example_values: int = opt(0, "Example values per column in omnisql-style prompts.")
+    tables_json: str = opt("", "Spider/BIRD tables.json: schemas of the databases it lists come from it (original "
+                           "names, no example values), the others from their .sqlite files.")
 
 
 @dataclass
-class Model(Prompt):
+class PolicyPrompt(Prompt):
+    """Prompt settings of a stage that prompts a trained policy: they must be those it was trained on."""
+
+    allow_prompt_change: bool = opt(False, "Build prompts other than those the policy was trained on (its "
+                                    "slmsql_prompt.json): refused otherwise.")
+
+
+@dataclass
+class Model(PolicyPrompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
     backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed).",
                        choices=("transformers", "vllm"))
+    limit: int = opt(0, "Use only the first N questions of --data (0: all).")
 
 
 @dataclass
@@ -185,7 +196,7 @@ class Lora:
 
 
 @dataclass
-class SFTStageConfig(Lora, Prompt, Common):
+class SFTStageConfig(Lora, PolicyPrompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
@@ -199,7 +210,9 @@ class SFTStageConfig(Lora, Prompt, Common):
     learning_rate: float = opt(3e-3, "Peak learning rate.")
     max_steps: int = opt(800, "Optimizer steps.")
     per_device_train_batch_size: int = opt(16, "Batch size.")
-    max_length: int = opt(384, "Truncate prompt+completion to this many tokens.")
+    max_length: int = opt(384, "Longest example (prompt + answer, in the model's tokens): a longer one is refused, "
+                          "since truncation would cut its answer.")
+    drop_long: bool = opt(False, "Leave out examples longer than --max-length (counted, logged) instead of refusing.")
     output_dir: str = opt("outputs/sft", "Folder for the trained policy.")
 
 
@@ -218,7 +231,7 @@ class FilterConfig(Model, Sampling, Workers, Engine, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Sampling, Workers, Prompt, Common):
+class GRPOStageConfig(Lora, Sampling, Workers, PolicyPrompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",
@@ -304,6 +317,10 @@ class PipelineConfig(Common):
                              "eval-sft-dev_cross/ex", "eval-grpo-dev_cross/ex", "eval-grpo-dev_cross/vs_baseline/p")
 
     size: str = opt("small", "Toy world size.", choices=("small", "medium", "large"))
+    model: str = opt("", "A pretrained chat model (Hub id or path) to run the lifecycle on: it is evaluated "
+                     "zero-shot, then trained as the recipes say. Empty: the embedded tiny model, built here.")
+    recipes: str = opt("", "Folder of stage recipes (<stage>.yaml, e.g. recipes/smollm2-135m): each applies to "
+                       "every step of its stage, under the pipeline's own wiring and --overrides.")
     overrides: dict = opt({}, "Per-stage options, e.g. 'sft.max_steps=300 grpo.max_steps=4'.")
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
     repo_id: str = opt("slmsql/toy-grpo", "Hub repo id of the GRPO adapter.")
@@ -522,27 +539,32 @@ RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]
                                    list("-+0123456789"))
 
 
+def recipe_values(cls, recipe) -> dict:
+    """The fields a YAML recipe sets, coerced to `cls`'s types; errors name the file, line and field."""
+    names = {f.name for f in fields(cls)}
+    path = Path(recipe)
+    if not path.is_file():
+        raise DataError("recipe not found", path)
+    try:
+        doc = yaml.load(path.read_text(), Loader=RecipeLoader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
+    if not isinstance(doc, dict):
+        raise DataError("a recipe is a mapping of field: value", path)
+    values = {}
+    for k, v in doc.items():
+        if k not in names:
+            raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
+        values[k] = coerce(cls, k, v, path)
+    return values
+
+
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
          defaults_yield: bool = False):
     """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring).
     `defaults_yield`: command-line values equal to the default do not override the recipe (mlflow run)."""
-    names = {f.name for f in fields(cls)}
-    values = {}
-    if recipe:
-        path = Path(recipe)
-        if not path.is_file():
-            raise DataError("recipe not found", path)
-        try:
-            doc = yaml.load(path.read_text(), Loader=RecipeLoader) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            raise DataError(f"malformed YAML: {e}", path, mark.line + 1 if mark else None) from None
-        if not isinstance(doc, dict):
-            raise DataError("a recipe is a mapping of field: value", path)
-        for k, v in doc.items():
-            if k not in names:
-                raise DataError(f"unknown field for {cls.__name__}; known: {sorted(names)}", path, field=k)
-            values[k] = coerce(cls, k, v, path)
+    values = recipe_values(cls, recipe) if recipe else {}
     defaults = cls()
     for k, v in (cli or {}).items():
         if v is None:

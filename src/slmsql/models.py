@@ -31,6 +31,7 @@ import torch
 from .data import write_json
 from .errors import SlmsqlError
 from .hub import is_path, snapshot_id
+from .promptcheck import RECORD as PROMPT_RECORD
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ def _adapter_config(adapter: str) -> dict:
 
 STACK_RECORD = "slmsql_stack.json"  # in a stacked adapter's folder: what it was trained on top of
 STACK_BASE = "base_adapter"  # the subfolder holding that adapter, merged into the base before this one applies
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", STACK_RECORD)
+# what a policy's adapter folder holds, downloaded from a Hub repo and copied into a stack: the PEFT files, the
+# stack record and the prompt settings it was trained on (promptcheck)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", STACK_RECORD, PROMPT_RECORD)
 
 
 def _hub_files(repo: str, patterns: list[str]) -> Path:

@@ -236,7 +236,8 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
 
 
 class PromptBuilder:
-    """Messages for gold examples; one schema per db_id, read once, from the .sqlite file or tables.json."""
+    """Messages for gold examples; one schema per db_id, read once, from tables.json (when given and it lists
+    the database) or else from the .sqlite file."""
 
     def __init__(self, db_root, tables_json=None, example_values: int = 3, max_chars: int | None = MAX_CHARS,
                  style: str = "omnisql"):
@@ -272,11 +273,13 @@ class PromptBuilder:
     def schema(self, db_id: str) -> str:
         if db_id not in self._schemas:
             path = db_path(self.db_root, db_id)
-            if path.is_file():
-                text, info = schema_text(path, self.example_values, self.max_chars, self.style)
-            elif (entry := self._entry(db_id)) is not None:
+            # tables.json first, when given: it is how Spider/BIRD prompts are usually built (original names, no
+            # example values), and the databases the answers run on are under db_root either way
+            if (entry := self._entry(db_id)) is not None:
                 text, info = _fit_style(_tables_from_json(entry, self.tables_json), 0, self.max_chars, self.style)
                 info["source"] = "tables.json"
+            elif path.is_file():
+                text, info = schema_text(path, self.example_values, self.max_chars, self.style)
             else:
                 where = f" and not in {self.tables_json}" if self.tables_json else ""
                 raise DataError(f"unknown db_id {db_id!r}: no database at {path}{where}", field="db_id")
@@ -302,5 +305,7 @@ class PromptBuilder:
 
 
 def builder_for(cfg, db_root=None) -> PromptBuilder:
-    """The prompt builder a stage config asks for (`prompt_style`, `example_values`)."""
-    return PromptBuilder(db_root or cfg.db_root, example_values=cfg.example_values, style=cfg.prompt_style)
+    """The prompt builder a stage config asks for (`prompt_style`, `example_values`, `tables_json`)."""
+    return PromptBuilder(db_root or cfg.db_root, tables_json=getattr(cfg, "tables_json", "") or None,
+                         example_values=cfg.example_values, style=cfg.prompt_style)
+

@@ -77,7 +77,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
                               nested=nested, log_system_metrics=system_metrics) as run:
             describe_experiment(run.info.experiment_id)
-            tags = {k: v for k, v in (tags or {}).items() if v not in ("", None)}  # an empty option: no tag
+            tags = {**provenance_tag(getattr(cfg, "model", "")), **(tags or {})}
+            tags = {k: v for k, v in tags.items() if v not in ("", None)}  # an empty option: no tag
             mlflow.set_tags({"slmsql.stage": stage, "slmsql.world_size": str(distributed.world_size()),
                              "slmsql.launcher": distributed.launcher(), **tags})
             logged = mlflow.get_run(run.info.run_id).data.params
@@ -95,6 +96,17 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
                 outbox.end_run("FAILED")
                 raise
             outbox.end_run("FINISHED")
+
+
+def provenance_tag(model: str) -> dict:
+    """`slmsql.model_provenance` for a model whose files say where they came from (hub.provenance: e.g. weights
+    dequantized from a GGUF, not the Hub repo's own), so every run and the card say so."""
+    from .hub import provenance
+
+    record = provenance(model) if model else None
+    if not record:
+        return {}
+    return {"slmsql.model_provenance": "; ".join(str(record[k]) for k in ("note", "source") if record.get(k))}
 
 
 # --- inputs by run URI: params hold `runs:/<id>/<path>`, stages read a local copy --------------------------

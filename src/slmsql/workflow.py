@@ -87,17 +87,36 @@ def project_path(path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def recipes_of(folder: str) -> dict[str, dict]:
+    """stage -> the parameters its recipe `<folder>/<stage>.yaml` sets (as parameter text), every recipe read and
+    checked now, before any step runs. A YAML file named for no stage is refused (a typo would be ignored)."""
+    if not folder:
+        return {}
+    path = Path(folder)
+    if not path.is_dir():
+        raise SlmsqlError(f"--recipes {folder}: no such folder")
+    out = {}
+    for file in sorted(path.glob("*.yaml")):
+        if file.stem not in configs.STAGES:
+            raise SlmsqlError(f"{file}: named for no stage (expected one of {sorted(configs.STAGES)}.yaml)")
+        values = configs.recipe_values(configs.STAGES[file.stem], file)
+        out[file.stem] = {k: configs.param_text(v) for k, v in values.items()}
+    return out
+
+
 class Steps:
     """The steps of one workflow run: each writes to `output_dir`/<name> unless given its own output_dir, and
-    gets `seed` unless given its own; `overrides` ({"<stage>.<field>": value}) apply to every step of that
-    stage, after the step's own parameters."""
+    gets `seed` unless given its own. A step's parameters, in increasing precedence: its stage's recipe in the
+    `recipes` folder (`<stage>.yaml`, when there is one), the step's own parameters (the workflow's wiring),
+    then `overrides` ({"<stage>.<field>": value}, for every step of that stage)."""
 
     def __init__(self, experiment_id: str, *, output_dir, experiment: str, seed: int = 0, reuse: bool = True,
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, recipes: str = ""):
         import mlflow
 
         self.experiment_id, self.experiment, self.seed, self.reuse = experiment_id, experiment, seed, reuse
         self.overrides, self.version = dict(overrides or {}), code_version()
+        self.recipes = recipes_of(recipes)
         self.client = mlflow.MlflowClient()
         self.out = Path(output_dir).resolve()
         self.reused: list[str] = []  # run ids reused by this workflow run
@@ -105,7 +124,7 @@ class Steps:
     def params(self, stage: str, name: str, given: dict) -> dict:
         extra = {k.split(".", 1)[1]: v for k, v in self.overrides.items() if k.split(".", 1)[0] == stage}
         params = {"output_dir": self.out / name, "experiment": self.experiment, "run_name": name,
-                  "seed": self.seed, **given, **extra}
+                  "seed": self.seed, **self.recipes.get(stage, {}), **given, **extra}
         return {**params, "output_dir": project_path(params["output_dir"])}
 
     def find(self, stage: str, params: dict):

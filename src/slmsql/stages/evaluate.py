@@ -48,7 +48,7 @@ def main(cfg: EvaluateConfig) -> dict:
 
     from .. import descriptions, tracking, vocabulary
 
-    examples = read_gold(cfg.data)
+    examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
     st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.predictions:
@@ -60,14 +60,22 @@ def main(cfg: EvaluateConfig) -> dict:
     if cfg.baseline_run:  # checked before any model loads
         tracking.configure()
         baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
-    from .. import engines
+    from .. import engines, promptcheck
+    from ..models import load_tokenizer
 
+    prompt, token_metrics = {}, {}
+    if not cfg.predictions:  # the policy's prompt settings and the prompts' token budget, before the model loads
+        prompt, token_metrics = promptcheck.preflight(
+            cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+            new_tokens=cfg.max_new_tokens)
     work = engines.Work("evaluate", cfg)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model fails before any output exists
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
-    with st, tracking.stage_run("evaluate", cfg, engines.run_params(work), tags=tags) as run:
+    with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},
+                                tags=tags) as run:
         work_dir = st.work
+        mlflow.log_metrics(token_metrics)
         tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}
         engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),

@@ -21,23 +21,27 @@ from ..figures import histogram_figure
 from ..passrates import CHUNK, bucket_summary, load_finished
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
-               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "match", "timeout_s")
+RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
+               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "tables_json", "match",
+               "timeout_s")
 
 
 def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, descriptions, engines, tracking
-    from ..models import check_adapter_base
+    from .. import datachecks, descriptions, engines, promptcheck, tracking
+    from ..models import check_adapter_base, load_tokenizer
 
-    # args
+    # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
         raise DataError(f"need k >= 1 and 0 <= low < high <= 1, got k={cfg.k} low={cfg.low} high={cfg.high}")
-    examples = read_gold(cfg.data)
+    examples = read_gold(cfg.data)[:cfg.limit or None]
     if cfg.adapter:
         check_adapter_base(cfg.adapter, cfg.model)
+    prompt, token_metrics = promptcheck.preflight(
+        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+        new_tokens=cfg.max_new_tokens)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
     # then refuse to resume ("unfinished run with other parameters").
@@ -46,9 +50,11 @@ def main(cfg: FilterConfig) -> dict:
 
     # sample and score on the engine; every finished row goes to disk at once (resume)
     tags = {"slmsql.model": cfg.model, "slmsql.adapter": cfg.adapter}
-    with st, tracking.stage_run("filter", cfg, engines.run_params(work), tags=tags, run_id=st.run_id,
+    with st, tracking.stage_run("filter", cfg, {**engines.run_params(work), **promptcheck.params(prompt)}, tags=tags,
+                                run_id=st.run_id,
                                 system_metrics=True) as run:
         st.bind(run.info.run_id)
+        mlflow.log_metrics(token_metrics)
         work_dir, out = st.work, st.out
         done = load_finished(work_dir / "passrates.jsonl", examples)
         todo = [e for e in examples if e.id not in done]

@@ -45,8 +45,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import descriptions, distributed, durable, figures, grpo_variants, rewards, tables, tracking, training
-    from ..models import check_adapter_base, load_model, record_stack
+    from .. import (descriptions, distributed, durable, figures, grpo_variants, promptcheck, rewards, tables, tracking,
+                    training)
+    from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -58,6 +59,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     check_args(cfg, examples)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
+    prompt, token_metrics = promptcheck.preflight(
+        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.base_adapter),
+        new_tokens=cfg.max_completion_length)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it
     st = Staged(cfg.output_dir, cfg.overwrite, identity=identity, resume=cfg.resume)
@@ -72,7 +76,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # adapter is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    with outbox, st, tracking.stage_run("grpo", cfg, tags=tags, run_id=st.run_id, system_metrics=True,
+    with outbox, st, tracking.stage_run("grpo", cfg, promptcheck.params(prompt), tags=tags, run_id=st.run_id,
+                                        system_metrics=True,
                                         outbox=outbox) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
@@ -83,6 +88,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
         if main:
             tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
+            mlflow.log_metrics(token_metrics)
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
@@ -124,6 +130,7 @@ def main(cfg: GRPOStageConfig) -> dict:
                 # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
                 record_stack(final, cfg.base_adapter, merged=not continue_adapter)
             write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
+            promptcheck.record(final, prompt)
             outbox.log_metrics(summary)
             outbox.set_tag(tracking.NOTE, descriptions.grpo_note(summary))
             if (curves := figures.training_curves(trainer.state.log_history)) is not None:

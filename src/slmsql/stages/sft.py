@@ -31,15 +31,22 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, durable, tracking, training
-    from ..models import STACK_BASE, check_adapter_base, load_model, record_stack
+    from .. import descriptions, distributed, durable, promptcheck, tokens, tracking, training
+    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
 
-    # args: every check before any model loads
+    # args: every check before any model loads, the token budget and the prompt settings included
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
     st = Staged(cfg.output_dir, cfg.overwrite)
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    prompt = promptcheck.settings(cfg, tokenizer)
+    promptcheck.check_trained_with(promptcheck.policy_folder(cfg.model, cfg.base_adapter), prompt,
+                                   cfg.allow_prompt_change)
+    rows = conversations(cfg, examples)
+    keep, token_metrics = tokens.check_sft(tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
+                                           drop=cfg.drop_long, source=cfg.data)
     # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
     # initialises the process group, which the output folder and the run below coordinate through
     args = training.trl_config(
@@ -50,14 +57,15 @@ def main(cfg: SFTStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # policy is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    with outbox, st, tracking.stage_run("sft", cfg, tags={"slmsql.model": cfg.model,
+    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags={"slmsql.model": cfg.model,
                                                           "slmsql.base_adapter": cfg.base_adapter},
                                         system_metrics=True, outbox=outbox):
         # data
-        train = Dataset.from_list(conversations(cfg, examples))
+        train = Dataset.from_list([rows[j] for j in keep])
         main = distributed.is_main()
         if main:
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
+            mlflow.log_metrics(token_metrics)
         # model
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
@@ -72,7 +80,7 @@ def main(cfg: SFTStageConfig) -> dict:
             raise SlmsqlError("SFT made no optimizer step: is the data empty or max_steps 0?")
         work = st.work
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
-                   "steps": trainer.state.global_step, "examples": len(examples),
+                   "steps": trainer.state.global_step, "examples": len(keep),
                    "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way. By the main
         # process only: every process holds the same weights after the last synchronised step.
@@ -83,6 +91,7 @@ def main(cfg: SFTStageConfig) -> dict:
             training.save_policy(trainer.model, tokenizer, work)
             if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
                 record_stack(work, cfg.base_adapter, merged=False)
+            promptcheck.record(work, prompt)
             write_json(work / "sft_summary.json", summary)
             outbox.log_metrics(tracking.numeric(summary))
             outbox.set_tag("slmsql.policy_kind", summary["kind"])

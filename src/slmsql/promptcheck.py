@@ -1,0 +1,98 @@
+"""Before any model loads: the prompts a stage is about to build are the ones its policy was trained on, and
+they fit the model.
+
+A policy trained on one prompt format and then sampled, trained further or evaluated on another is measured
+on text it never saw, silently (a chat template, a system prompt or a schema style changed between stages).
+So SFT and GRPO record the settings beside the policy they save (`slmsql_prompt.json`), every stage that
+builds prompts logs its own as params (`prompt.*`, beside `prompt_style` and `example_values`), and filter,
+GRPO, evaluate and a continued SFT compare theirs with the policy's record, refusing a difference unless
+`--allow-prompt-change`. Then the prompts are counted (`tokens.check_prompts`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from .errors import DataError, SlmsqlError
+from .prompts import SYSTEM, builder_for, render_prompt
+
+log = logging.getLogger(__name__)
+RECORD = "slmsql_prompt.json"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def settings(cfg, tokenizer) -> dict:
+    """What decides the exact prompt text: style, example values, system prompt, schema source and the chat
+    template (the long texts as short hashes)."""
+    style = cfg.prompt_style
+    return {"prompt_style": style, "example_values": cfg.example_values if style == "omnisql" else 0,
+            "system_prompt": _sha(SYSTEM) if style == "omnisql" else "none",
+            "schema_source": "tables.json" if getattr(cfg, "tables_json", "") else "sqlite",
+            "chat_template": _sha(tokenizer.chat_template or "")}
+
+
+def params(values: dict) -> dict:
+    """The settings that are not config fields already, as `prompt.<name>` params."""
+    return {f"prompt.{k}": str(v) for k, v in values.items() if k not in ("prompt_style", "example_values")}
+
+
+def record(folder, values: dict) -> None:
+    from .data import write_json
+
+    write_json(Path(folder) / RECORD, values)
+
+
+def recorded(folder) -> dict | None:
+    """The prompt settings recorded in a policy folder, None when it has none."""
+    path = Path(str(folder)).expanduser() / RECORD
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise DataError(f"not valid JSON: {e}", path) from None
+
+
+def check_trained_with(policy, mine: dict, allow: bool) -> None:
+    """Refuse (unless `allow`) settings other than those recorded in policy folder `policy`, naming both."""
+    trained = recorded(policy) if policy else None
+    differ = {k: (trained[k], v) for k, v in mine.items() if trained and k in trained and trained[k] != v}
+    if not differ:
+        return
+    text = ", ".join(f"{k}: trained {a!r}, now {b!r}" for k, (a, b) in differ.items())
+    if not allow:
+        raise SlmsqlError(f"policy {policy} was trained on other prompts than this run would build ({text}). "
+                          "Use the policy's prompt settings, or --allow-prompt-change to do this on purpose")
+    log.warning("policy %s was trained on other prompts (%s): going on (--allow-prompt-change)", policy, text)
+
+
+def policy_folder(model: str, adapter: str | None = None) -> Path | None:
+    """Where a policy's records lie: its adapter's folder (downloaded when a Hub id), else the model's folder
+    when it is local (a Hub model is a base: nothing trained it here)."""
+    from .models import adapter_folder
+
+    if adapter:
+        return adapter_folder(adapter)
+    path = Path(str(model)).expanduser()
+    return path if path.is_dir() else None
+
+
+def preflight(cfg, examples, tokenizer, *, policy, new_tokens: int) -> tuple[dict, dict]:
+    """The checks of a stage about to prompt `policy` (a folder or None) for `examples`: its prompt settings
+    (returned as params) are the policy's, and every prompt leaves `new_tokens` of the model's context
+    (the `tokens/*` metrics, returned)."""
+    from . import tokens
+
+    mine = settings(cfg, tokenizer)
+    check_trained_with(policy, mine, cfg.allow_prompt_change)
+    builder = builder_for(cfg)
+    prompts = [render_prompt(tokenizer, builder.messages(e)) for e in examples]
+    metrics = tokens.check_prompts(tokenizer, prompts, [e.id for e in examples], model=cfg.model,
+                                   new_tokens=new_tokens, source=cfg.data)
+    return mine, metrics

@@ -1,0 +1,140 @@
+"""The lifecycle's stages on a real pretrained chat model, named by its Hub id: SmolLM2-135M-Instruct (Llama
+architecture, its own 49k BPE tokenizer, ChatML template, eos = pad = <|im_end|>), as `make smollm2` lays it
+into the Hugging Face cache (dequantized from a Q4_1 GGUF: not the original weights).
+
+A few steps of each, through the CLI in fresh processes as a user runs them, with the smollm2-135m recipes:
+SFT (LoRA, 10 steps) -> filter (16 questions x K=4) -> GRPO (3 steps, gradient checkpointing, continuing the SFT
+adapter) -> evaluate SFT and GRPO (40 questions, paired) -> publish (pushed to the loopback Hub stand-in) -> the
+registered `text2sql` model answers as evaluate did. GRPO trains on the filter's source questions, not on its
+band: how many of 16 questions land in the band after 10 SFT steps is the model's business, not this test's.
+
+Skipped when the model is not in the cache, except under CI (.ci/run runs `make smollm2`), where it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from hubstub import HubStub
+
+pytestmark = pytest.mark.slow
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
+REPO = "stub-user/smollm2-toy-grpo"
+
+
+def _in_cache() -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(MODEL, "config.json"), str)
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    if not _in_cache():
+        if _ci():
+            pytest.fail(f"{MODEL} is not in the Hugging Face cache; under CI this module must run (`make smollm2`)",
+                        pytrace=False)
+        pytest.skip(f"{MODEL} is not in the Hugging Face cache: run `make smollm2`")
+    root = tmp_path_factory.mktemp("real")
+    uri = f"sqlite:///{root}/mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_OFFLINE": "1",
+           "PATH": f"{sys.prefix}/bin:{os.environ['PATH']}"}
+    for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "HF_TOKEN"):
+        env.pop(var, None)
+
+    def slmsql(stage, *args, recipe=True, extra_env=None):
+        cmd = [sys.executable, "-m", "slmsql.cli", stage, *args, "--output-dir", str(root / stage), "--overwrite"]
+        if recipe:
+            cmd += ["--recipe", str(RECIPES / f"{stage}.yaml")]
+        done = subprocess.run(cmd, cwd=root, env={**env, **(extra_env or {})}, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, f"slmsql {stage} failed:\n{done.stderr[-5000:]}"
+        client = mlflow.MlflowClient(uri)
+        exp = client.get_experiment_by_name("slmsql")
+        return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
+
+    slmsql("toy", recipe=False)
+    world = root / "toy"
+    dbs = ["--db-root", str(world / "databases")]
+    rl = root / "rl.jsonl"
+    rl.write_text("".join((world / "rl_source.jsonl").read_text().splitlines(keepends=True)[:16]))
+    runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "10",
+                          "--trainer-args", "gradient_checkpointing=true")}
+    sft_out = str(root / "sft")
+    runs["filter"] = slmsql("filter", "--model", MODEL, "--adapter", sft_out, "--data",
+                            str(world / "rl_source.jsonl"), *dbs, "--limit", "16", "--k", "4", "--workers", "1")
+    runs["grpo"] = slmsql("grpo", "--model", MODEL, "--base-adapter", sft_out, "--adapter-mode", "continue",
+                          "--data", str(rl), *dbs, "--max-steps", "3", "--num-generations", "4",
+                          "--per-device-train-batch-size", "8", "--save-steps", "3", "--workers", "1",
+                          "--trainer-args", "gradient_checkpointing=true")
+    ev = ["--data", str(world / "dev.jsonl"), *dbs, "--limit", "40", "--dataset-name", "toy-dev", "--workers", "1"]
+    runs["eval-sft"] = slmsql("evaluate", "--model", MODEL, "--adapter", sft_out, *ev, "--run-name", "eval-sft-dev")
+    sft_predictions = (root / "evaluate" / "predictions.jsonl").read_text()
+    runs["eval-grpo"] = slmsql("evaluate", "--model", MODEL, "--adapter", str(root / "grpo" / "adapter"), *ev,
+                               "--baseline-run", runs["eval-sft"].info.run_id, "--run-name", "eval-grpo-dev")
+    with HubStub() as hub:
+        runs["publish"] = slmsql(
+            "publish", "--grpo-run", runs["grpo"].info.run_id, "--eval-runs", runs["eval-grpo"].info.run_id,
+            "--filter-run", runs["filter"].info.run_id, "--repo-id", REPO, "--endpoint", hub.url, recipe=False,
+            extra_env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"})
+        pushed = hub.files(REPO)
+    yield {"root": root, "uri": uri, "runs": runs, "pushed": pushed, "world": world,
+           "sft_predictions": [json.loads(x) for x in sft_predictions.splitlines()],
+           "predictions": [json.loads(x) for x in (root / "evaluate" / "predictions.jsonl").read_text().splitlines()]}
+
+
+def test_every_stage_finishes_on_the_hub_id(stages):
+    runs = stages["runs"]
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    for name in ("sft", "filter", "grpo", "eval-sft", "eval-grpo"):
+        assert runs[name].data.tags["slmsql.model"] == MODEL  # the Hub id, never a cache path
+        assert "dequantized" in runs[name].data.tags["slmsql.model_provenance"]  # not the Hub repo's weights
+        assert runs[name].data.params["prompt.chat_template"] == runs["sft"].data.params["prompt.chat_template"]
+    assert runs["sft"].data.tags["slmsql.policy_kind"] == "adapter"
+    adapter = json.loads((stages["root"] / "grpo" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == MODEL
+    # counted with the model's own tokenizer before training: nothing dropped, nothing truncated
+    assert runs["sft"].data.metrics["tokens/dropped_long"] == 0
+    assert runs["sft"].data.metrics["tokens/example_max"] <= float(runs["sft"].data.params["max_length"])
+    assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 16
+    assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == 40
+    assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
+
+
+def test_answers_end_at_the_end_of_turn(stages):
+    """Generation stops at the chat template's end of turn: no completion carries a next turn's markup."""
+    for row in stages["predictions"] + stages["sft_predictions"]:
+        assert "<|im_start|>" not in row["completion"] and "<|im_end|>" not in row["completion"]
+
+
+def test_registered_model_answers_as_evaluate_did(stages, monkeypatch):
+    import pandas as pd
+
+    from slmsql.data import db_path
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", stages["uri"])
+    mlflow.set_tracking_uri(stages["uri"])
+    assert "adapter_model.safetensors" in stages["pushed"] and "README.md" in stages["pushed"]
+    card = stages["pushed"]["README.md"].decode()
+    assert MODEL in card and "dequantized from a Q4_1 GGUF" in card
+    client = mlflow.MlflowClient()
+    [version] = client.search_model_versions(f"run_id = '{stages['runs']['grpo'].info.run_id}'")
+    loaded = mlflow.pyfunc.load_model(f"models:/{version.name}/{version.version}")
+    gold = {json.loads(x)["id"]: json.loads(x) for x in (stages["world"] / "dev.jsonl").read_text().splitlines()}
+    preds = stages["predictions"][:12]
+    rows = [{"question": gold[p["id"]]["question"], "db_path": str(db_path(stages["world"] / "databases",
+                                                                          gold[p["id"]]["db_id"]))} for p in preds]
+    out = loaded.predict(pd.DataFrame(rows))
+    assert list(out["completion"]) == [p["completion"] for p in preds]
+    assert [None if pd.isna(s) else s for s in out["sql"]] == [p["sql"] for p in preds]
