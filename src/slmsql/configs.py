@@ -99,7 +99,15 @@ class Prompt:
 
 
 @dataclass
-class Model(Prompt):
+class Precision:
+    dtype: str = opt("auto", "Weights' precision: auto (float32 on CPU, bfloat16 on a GPU that supports it, else "
+                     "float32), float32, bfloat16 or float16 (GPU only). Training stages train in it (TRL's "
+                     "bf16/fp16). The resolved choice is the run's slmsql.dtype tag.",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+
+
+@dataclass
+class Model(Precision, Prompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
@@ -159,7 +167,7 @@ class Lora:
 
 
 @dataclass
-class SFTStageConfig(Lora, Prompt, Common):
+class SFTStageConfig(Lora, Precision, Prompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
@@ -194,7 +202,7 @@ class FilterConfig(Model, Workers, Engine, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Workers, Prompt, Common):
+class GRPOStageConfig(Lora, Workers, Precision, Prompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",

@@ -38,7 +38,7 @@ class Work:
     def load_policy(self):
         from . import models  # looked up at call time, so tests can stand in a fake model
 
-        return models.load_model(self.cfg.model, self.cfg.adapter or None)
+        return models.load_model(self.cfg.model, self.cfg.adapter or None, dtype=self.cfg.dtype)
 
     def generate(self, examples: list[Example], policy, progress: bool = True) -> dict[str, object]:
         """id -> payload. The filter skips questions whose database is missing (scored as errors)."""

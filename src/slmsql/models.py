@@ -191,12 +191,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy, and a
+        # GPU without bf16 would emulate it: fp16 (which can overflow) only when asked for.
+        cuda = device.type == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
     value = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, str(dtype)), None)
     if not isinstance(value, torch.dtype):
         raise SlmsqlError(f"unknown dtype '{dtype}' (use auto, bfloat16, float16 or float32)")
+    if value == torch.float16 and device.type == "cpu":
+        raise SlmsqlError("dtype float16 needs a GPU (mixed-precision fp16 does not run on a CPU): use auto, "
+                          "float32 or bfloat16")
     return value
+
+
+def dtype_name(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> str:
+    """The precision `dtype` resolves to on `device`, by name (float32, bfloat16, float16); refused as in
+    resolve_dtype. Cheap: what stages check before loading a model and log as the slmsql.dtype tag."""
+    return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
 
 
 def load_tokenizer(model: str | os.PathLike):
@@ -272,6 +283,7 @@ def load_model(
         raise SlmsqlError("merge_adapter=True needs an adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    _tag_dtype(dtype)
     if adapter is not None:
         check_adapter_base(adapter, model)
     tokenizer = load_tokenizer(model)
@@ -299,6 +311,14 @@ def load_model(
         lm.eval()
         lm.requires_grad_(False)
     return lm, tokenizer
+
+
+def _tag_dtype(dtype: torch.dtype) -> None:
+    """The resolved precision as the active MLflow run's slmsql.dtype tag (the stage's param says only 'auto')."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag("slmsql.dtype", str(dtype).removeprefix("torch."))
 
 
 def _merge_stack(lm, adapter):
