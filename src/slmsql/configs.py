@@ -109,7 +109,15 @@ class PolicyPrompt(Prompt):
 
 
 @dataclass
-class Model(PolicyPrompt):
+class Precision:
+    dtype: str = opt("auto", "Weights' precision: auto (float32 on CPU, bfloat16 on a GPU that supports it, else "
+                     "float32), float32, bfloat16 or float16 (GPU only). Training stages train in it (TRL's "
+                     "bf16/fp16). The resolved choice is the run's slmsql.dtype tag.",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+
+
+@dataclass
+class Model(Precision, PolicyPrompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
@@ -196,7 +204,7 @@ class Lora:
 
 
 @dataclass
-class SFTStageConfig(Lora, PolicyPrompt, Common):
+class SFTStageConfig(Lora, Precision, PolicyPrompt, Common):
     """Supervised fine-tuning (TRL SFTTrainer) on gold-format data, LoRA or full."""
 
     key_metrics: ClassVar = ("train_loss", "steps")
@@ -231,7 +239,7 @@ class FilterConfig(Model, Sampling, Workers, Engine, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Sampling, Workers, PolicyPrompt, Common):
+class GRPOStageConfig(Lora, Sampling, Workers, Precision, PolicyPrompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",

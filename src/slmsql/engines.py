@@ -40,7 +40,7 @@ class Work:
         from . import models  # looked up at call time, so tests can stand in a fake model
 
         if self.cfg.backend != "vllm":
-            return models.load_model(self.cfg.model, self.cfg.adapter or None)
+            return models.load_model(self.cfg.model, self.cfg.adapter or None, dtype=self.cfg.dtype)
         from . import generation, vllm_engine
         from .data import db_path
 

@@ -194,12 +194,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 halves memory and is what the GPU kernels are fast at; CPU bf16 matmuls are slow and lossy, and a
+        # GPU without bf16 would emulate it: fp16 (which can overflow) only when asked for.
+        cuda = device.type == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
     value = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, str(dtype)), None)
     if not isinstance(value, torch.dtype):
         raise SlmsqlError(f"unknown dtype '{dtype}' (use auto, bfloat16, float16 or float32)")
+    if value == torch.float16 and device.type == "cpu":
+        raise SlmsqlError("dtype float16 needs a GPU (mixed-precision fp16 does not run on a CPU): use auto, "
+                          "float32 or bfloat16")
     return value
+
+
+def dtype_name(dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> str:
+    """The precision `dtype` resolves to on `device`, by name (float32, bfloat16, float16); refused as in
+    resolve_dtype. Cheap: what stages check before loading a model and log as the slmsql.dtype tag."""
+    return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
 
 
 def load_tokenizer(model: str | os.PathLike):
@@ -222,6 +233,35 @@ def load_tokenizer(model: str | os.PathLike):
     return tokenizer
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
+    <end_of_turn>...), found by rendering one: a model may end its answer with it although neither its eos nor
+    its generation config names it. None when the turn ends in ordinary text or the template will not render."""
+    mark = "\u2063slmsql\u2063"  # a string no template adds
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}],
+                                             tokenize=False)
+    except Exception:  # templates raise their own errors on conversations they do not accept (jinja, ValueError)
+        return None
+    after = text.split(mark, 1)[1] if mark in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return None
+    added = tokenizer.added_tokens_decoder.get(ids[0])  # special tokens a template uses are often only "added"
+    return ids[0] if ids[0] in tokenizer.all_special_ids or getattr(added, "special", False) else None
+
+
+def stop_ids(generation_config, tokenizer) -> list[int]:
+    """Every token that ends an answer: the generation config's eos ids, the tokenizer's eos and the chat
+    template's end-of-turn token. Generation (generation.py) and TRL's rollouts both read the generation config."""
+    ids = generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    for extra in (tokenizer.eos_token_id, end_of_turn_id(tokenizer)):
+        if extra is not None and extra not in ids:
+            ids.append(extra)
+    return ids
+
+
 def load_model(
     model: str | os.PathLike,
     adapter: str | os.PathLike | None = None,
@@ -234,7 +274,7 @@ def load_model(
     """Return (model, tokenizer) for a Hub id or local path, with an optional PEFT adapter on top.
 
     The tokenizer pads on the left (generation) and falls back to eos as pad token; it must carry a chat
-    template. `trainable=False` gives an eval-mode model with frozen weights; `merge_adapter` folds the
+    template. The generation config stops at every id of `stop_ids`. `trainable=False` gives an eval-mode model with frozen weights; `merge_adapter` folds the
     adapter into the base weights (inference only).
     """
     from transformers import AutoModelForCausalLM
@@ -246,6 +286,7 @@ def load_model(
         raise SlmsqlError("merge_adapter=True needs an adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    _tag_dtype(dtype)
     if adapter is not None:
         check_adapter_base(adapter, model)
     tokenizer = load_tokenizer(model)
@@ -259,6 +300,7 @@ def load_model(
         raise SlmsqlError(f"model '{model}': cannot load weights ({e})") from e
     if lm.generation_config.pad_token_id is None:
         lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    lm.generation_config.eos_token_id = stop_ids(lm.generation_config, tokenizer)
     if adapter is not None:
         from peft import PeftModel
 
@@ -272,6 +314,14 @@ def load_model(
         lm.eval()
         lm.requires_grad_(False)
     return lm, tokenizer
+
+
+def _tag_dtype(dtype: torch.dtype) -> None:
+    """The resolved precision as the active MLflow run's slmsql.dtype tag (the stage's param says only 'auto')."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.set_tag("slmsql.dtype", str(dtype).removeprefix("torch."))
 
 
 def _merge_stack(lm, adapter):

@@ -24,12 +24,15 @@ OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run
          "logging_dir": "the staging folder"}
 
 
-def device_args() -> dict:
-    """TRL configs default to bf16, which transformers refuses on a CPU: pick precision from the device."""
+def device_args(dtype: str = "auto") -> dict:
+    """TRL configs default to bf16, which transformers refuses on a CPU: train in the stage's --dtype as
+    models.load_model resolves it (auto: bf16 on a GPU that has it, else fp32). Refuses fp16 on a CPU."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
+    from .models import dtype_name
+
+    name = dtype_name(dtype)
+    return {"use_cpu": not torch.cuda.is_available(), "bf16": name == "bfloat16", "fp16": name == "float16"}
 
 
 def trl_config(trl_cls, cfg, work: Path, **stage_settings):
@@ -46,7 +49,7 @@ def trl_config(trl_cls, cfg, work: Path, **stage_settings):
             raise SlmsqlError(f"trainer_args: {trl_cls.__name__} has no field {key!r}")
     passed = {k: getattr(cfg, k) for k in ours & known if k not in OWNED}
     passed = {k: (v if v != [] else None) for k, v in passed.items()}  # an empty list option means "TRL's default"
-    settings = {**device_args(), **stage_settings, **passed, **extra}
+    settings = {**device_args(getattr(cfg, "dtype", "auto")), **stage_settings, **passed, **extra}
     try:
         args = trl_cls(output_dir=str(work), report_to="none", **settings)
     except (TypeError, ValueError) as e:

@@ -93,10 +93,10 @@ def main(cfg: GRPOStageConfig) -> dict:
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
         if cfg.base_adapter and not continue_adapter:
-            model, tokenizer = load_model(cfg.model, cfg.base_adapter, merge_adapter=True)
+            model, tokenizer = load_model(cfg.model, cfg.base_adapter, merge_adapter=True, dtype=cfg.dtype)
             model.requires_grad_(True)
         else:
-            model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
+            model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True, dtype=cfg.dtype)
         peft_config = training.lora_config(cfg) if cfg.use_lora and not continue_adapter else None
 
         # rewards: registry functions bound to this run's sandbox and tiers (and, for the correctness-aware

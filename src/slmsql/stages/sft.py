@@ -67,7 +67,7 @@ def main(cfg: SFTStageConfig) -> dict:
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
         # model
-        model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True)
+        model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True, dtype=cfg.dtype)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
         peft_config = training.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
         # trainer
