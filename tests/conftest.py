@@ -1,3 +1,4 @@
+import os
 import sqlite3
 
 import pytest
@@ -30,7 +31,11 @@ def _isolated_mlflow(tmp_path, monkeypatch):
     import mlflow  # set_tracking_uri is process-wide: undo whatever an earlier test's stage set
 
     mlflow.set_tracking_uri(uri)
+    # and forget an earlier test's active experiment: its id means nothing in this store
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
     yield
+    os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # set_experiment exports it; delenv of an absent var restores nothing
     while mlflow.active_run():
         mlflow.end_run()
 

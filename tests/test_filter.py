@@ -305,10 +305,13 @@ def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
     def complete(cfg, examples, policy, *, k, **_):  # half right: the question lands in the band
         return [[f"```sql\n{gold}\n```", f"```sql\nSELECT '{ODD}'\n```"] * (k // 2) for _ in examples]
 
+    # a real tokenizer (the prompts are counted before sampling); the weights are never loaded
+    tiny = models.build_tiny_model(tmp_path / "tiny", ["Office items", gold], vocab_size=300, hidden=16, layers=1, heads=2,
+                                   ffn=32)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
     monkeypatch.setattr(generation, "complete", complete)
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["filter", "--data", str(data), "--db-root", str(shop), "--model", "unused",
+    result = CliRunner().invoke(cli, ["filter", "--data", str(data), "--db-root", str(shop), "--model", str(tiny),
                                       "--output-dir", str(out), "--k", "4", "--workers", "1"])
     assert result.exit_code == 0, result.output
     (rate,) = read_jsonl(out / "passrates.jsonl")

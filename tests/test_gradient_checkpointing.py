@@ -18,7 +18,7 @@ from test_grpo_learns import grpo_cfg
 from slmsql import configs
 from slmsql.stages import grpo, sft
 
-pytestmark = pytest.mark.slow
+
 GC = {"trainer_args": "gradient_checkpointing=true"}
 
 
@@ -92,3 +92,18 @@ def test_grpo_learns_with_checkpointing(policy, store, sft_start, mode):
     assert checkpointed(trainer)
     assert_learned(cfg.output_dir, run_id, cfg.model, prompt_for(cfg), start=None if mode == "fresh" else sft_start,
                    continued=mode == "continue", client=mlflow.MlflowClient(store[1]))
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_trainer_args_turn_checkpointing_on_over_the_stage_default(tmp_path, stage):
+    """Both training stages set gradient_checkpointing=False themselves; a recipe's or the command line's
+    trainer_args must win (the rule in training.trl_config), or the real-model recipes would train without it."""
+    from trl import GRPOConfig, SFTConfig
+
+    from slmsql import training
+
+    cls, trl_cls = {"sft": (configs.SFTStageConfig, SFTConfig), "grpo": (configs.GRPOStageConfig, GRPOConfig)}[stage]
+    on = configs.load(cls, None, GC, require=False)
+    assert training.trl_config(trl_cls, on, tmp_path, gradient_checkpointing=False).gradient_checkpointing is True
+    off = configs.load(cls, None, {}, require=False)
+    assert training.trl_config(trl_cls, off, tmp_path, gradient_checkpointing=False).gradient_checkpointing is False

@@ -101,6 +101,7 @@ def test_band_without_pass_rate_warns_and_goes_on(paths, tmp_path, monkeypatch, 
         raise Loaded  # stop at the first model load: everything before it accepted the file
 
     monkeypatch.setattr(models, "load_model", loaded)
+    monkeypatch.setattr(models, "load_tokenizer", loaded)  # the prompts' token count reads the tokenizer first
     with caplog.at_level(logging.WARNING, logger="slmsql.stages.grpo"), pytest.raises(Loaded):
         grpo.main(grpo_cfg(policy, data, tmp_path / "out"))
     assert any("gold.jsonl has no pass_rate column" in r.getMessage() for r in caplog.records)

@@ -148,7 +148,10 @@ def test_filter_cli_buckets_under_the_mode(shop, tmp_path, fake_policy, match):
     data = _write(tmp_path / "source.jsonl", [{"id": n, "db_id": "shop", "question": f"q {n}", "sql": g}
                                               for n, (g, *_) in FILTER.items()])
     out = tmp_path / "out"
-    args = ["filter", "--data", str(data), "--db-root", str(shop), "--model", "unused", "--output-dir", str(out),
+    from slmsql.models import build_tiny_model  # a real tokenizer: prompts are counted before sampling
+
+    tiny = build_tiny_model(tmp_path / "tiny", ["q 1", "SELECT 1"], vocab_size=300, hidden=16, layers=1, heads=2, ffn=32)
+    args = ["filter", "--data", str(data), "--db-root", str(shop), "--model", str(tiny), "--output-dir", str(out),
             "--k", "2", "--workers", "1"] + (["--match", match] if match != "bird" else [])
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output

@@ -28,7 +28,7 @@ def test_overrides_reach_their_stage_only_after_its_own_parameters(tmp_path):
     cfg = configs.load(configs.PipelineConfig, None, {"overrides": SHORT})
     assert cfg.overrides["sft.max_steps"] == 400 and cfg.overrides["grpo.num_generations"] == 4
     steps = workflow.Steps.__new__(workflow.Steps)  # params() alone: no store needed
-    steps.out, steps.experiment, steps.seed, steps.overrides = tmp_path, "e", 3, cfg.overrides
+    steps.out, steps.experiment, steps.seed, steps.overrides, steps.recipes = tmp_path, "e", 3, cfg.overrides, {}
     sft = steps.params("sft", "sft", {"max_steps": 800, "data": "runs:/x/sft.jsonl"})
     assert (sft["max_steps"], sft["data"], sft["seed"]) == (400, "runs:/x/sft.jsonl", 3)
     grpo = steps.params("grpo", "grpo", {})

@@ -176,6 +176,6 @@ def test_step_paths_are_project_relative_inside_the_project(tmp_path, monkeypatc
     assert workflow.project_path(inside) == "outputs/sft"
     assert workflow.project_path("rel/out") == str(tmp_path / "rel" / "out")
     steps = workflow.Steps.__new__(workflow.Steps)  # params() alone: no store needed
-    steps.out, steps.experiment, steps.seed, steps.overrides = workflow.ROOT / "outputs", "e", 0, {}
+    steps.out, steps.experiment, steps.seed, steps.overrides, steps.recipes = workflow.ROOT / "outputs", "e", 0, {}, {}
     assert steps.params("sft", "sft", {})["output_dir"] == "outputs/sft"
     assert steps.params("sft", "sft", {"output_dir": tmp_path / "o"})["output_dir"] == str(tmp_path / "o")

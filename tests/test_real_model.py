@@ -3,10 +3,10 @@ architecture, its own 49k BPE tokenizer, ChatML template, eos = pad = <|im_end|>
 into the Hugging Face cache (dequantized from a Q4_1 GGUF: not the original weights).
 
 A few steps of each, through the CLI in fresh processes as a user runs them, with the smollm2-135m recipes:
-SFT (LoRA, 10 steps) -> filter (16 questions x K=4) -> GRPO (3 steps, gradient checkpointing, continuing the SFT
-adapter) -> evaluate SFT and GRPO (40 questions, paired) -> publish (pushed to the loopback Hub stand-in) -> the
+SFT (LoRA, 3 steps) -> filter (8 questions x K=4) -> GRPO (3 steps, gradient checkpointing, continuing the SFT
+adapter) -> evaluate SFT and GRPO (24 questions, paired) -> publish (pushed to the loopback Hub stand-in) -> the
 registered `text2sql` model answers as evaluate did. GRPO trains on the filter's source questions, not on its
-band: how many of 16 questions land in the band after 10 SFT steps is the model's business, not this test's.
+band: how many of 8 questions land in the band after 10 SFT steps is the model's business, not this test's.
 
 Skipped when the model is not in the cache, except under CI (.ci/run runs `make smollm2`), where it fails.
 """
@@ -23,7 +23,6 @@ import mlflow
 import pytest
 from hubstub import HubStub
 
-pytestmark = pytest.mark.slow
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
 REPO = "stub-user/smollm2-toy-grpo"
@@ -68,17 +67,17 @@ def stages(tmp_path_factory):
     world = root / "toy"
     dbs = ["--db-root", str(world / "databases")]
     rl = root / "rl.jsonl"
-    rl.write_text("".join((world / "rl_source.jsonl").read_text().splitlines(keepends=True)[:16]))
-    runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "10",
-                          "--trainer-args", "gradient_checkpointing=true")}
+    rl.write_text("".join((world / "rl_source.jsonl").read_text().splitlines(keepends=True)[:8]))
+    runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "3",
+                          "--per-device-train-batch-size", "4", "--trainer-args", "gradient_checkpointing=true")}
     sft_out = str(root / "sft")
     runs["filter"] = slmsql("filter", "--model", MODEL, "--adapter", sft_out, "--data",
-                            str(world / "rl_source.jsonl"), *dbs, "--limit", "16", "--k", "4", "--workers", "1")
+                            str(world / "rl_source.jsonl"), *dbs, "--limit", "8", "--k", "4", "--workers", "1")
     runs["grpo"] = slmsql("grpo", "--model", MODEL, "--base-adapter", sft_out, "--adapter-mode", "continue",
                           "--data", str(rl), *dbs, "--max-steps", "3", "--num-generations", "4",
                           "--per-device-train-batch-size", "8", "--save-steps", "3", "--workers", "1",
                           "--trainer-args", "gradient_checkpointing=true")
-    ev = ["--data", str(world / "dev.jsonl"), *dbs, "--limit", "40", "--dataset-name", "toy-dev", "--workers", "1"]
+    ev = ["--data", str(world / "dev.jsonl"), *dbs, "--limit", "24", "--dataset-name", "toy-dev", "--workers", "1"]
     runs["eval-sft"] = slmsql("evaluate", "--model", MODEL, "--adapter", sft_out, *ev, "--run-name", "eval-sft-dev")
     sft_predictions = (root / "evaluate" / "predictions.jsonl").read_text()
     runs["eval-grpo"] = slmsql("evaluate", "--model", MODEL, "--adapter", str(root / "grpo" / "adapter"), *ev,
@@ -94,6 +93,20 @@ def stages(tmp_path_factory):
            "predictions": [json.loads(x) for x in (root / "evaluate" / "predictions.jsonl").read_text().splitlines()]}
 
 
+def test_the_recipes_build_one_prompt_for_every_stage():
+    """The smollm2 recipes load for their stages and agree on everything that shapes the prompt: a policy trained
+    by one is prompted by the others as it was trained (promptcheck refuses otherwise, mid-lifecycle)."""
+    from slmsql import configs
+
+    cfgs = {f.stem: configs.load(configs.STAGES[f.stem], str(f), require=False) for f in RECIPES.glob("*.yaml")}
+    assert set(cfgs) == {"sft", "filter", "grpo", "evaluate"}
+    shapes = {(c.prompt_style, c.example_values, c.tables_json) for c in cfgs.values()}
+    assert len(shapes) == 1, shapes
+    assert cfgs["sft"].use_lora and cfgs["grpo"].trainer_args.get("gradient_checkpointing") is True
+    assert cfgs["evaluate"].limit > 0 and cfgs["filter"].k >= 2
+
+
+@pytest.mark.slow
 def test_every_stage_finishes_on_the_hub_id(stages):
     runs = stages["runs"]
     assert all(r.info.status == "FINISHED" for r in runs.values())
@@ -107,17 +120,19 @@ def test_every_stage_finishes_on_the_hub_id(stages):
     # counted with the model's own tokenizer before training: nothing dropped, nothing truncated
     assert runs["sft"].data.metrics["tokens/dropped_long"] == 0
     assert runs["sft"].data.metrics["tokens/example_max"] <= float(runs["sft"].data.params["max_length"])
-    assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 16
-    assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == 40
+    assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 8
+    assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == 24
     assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
 
 
+@pytest.mark.slow
 def test_answers_end_at_the_end_of_turn(stages):
     """Generation stops at the chat template's end of turn: no completion carries a next turn's markup."""
     for row in stages["predictions"] + stages["sft_predictions"]:
         assert "<|im_start|>" not in row["completion"] and "<|im_end|>" not in row["completion"]
 
 
+@pytest.mark.slow
 def test_registered_model_answers_as_evaluate_did(stages, monkeypatch):
     import pandas as pd
 

@@ -120,17 +120,24 @@ def run_params(work: Work) -> dict:
     return {"vllm_version": vllm_engine.version()}
 
 
-def check(work: Work, generating: bool, examples: list[Example] = ()):
-    """Fail before any output folder or MLflow run exists: the local engine loads the model (returned, to be
-    reused; with --backend vllm, after vllm_engine.check, the engine sized for `examples`), the Ray engine
-    checks that Ray is installed and the model's config and tokenizer load."""
+def check_settings(work: Work, generating: bool) -> None:
+    """The checks that read no model files at all (a stage makes them first): what vLLM cannot honour, vLLM or
+    Ray missing."""
     if generating and work.cfg.backend == "vllm":
         from . import vllm_engine
 
         vllm_engine.check(work.cfg, work.sampling())
+    if work.cfg.engine == "ray":
+        _import_ray()
+
+
+def check(work: Work, generating: bool, examples: list[Example] = ()):
+    """Fail before any output folder or MLflow run exists: the local engine loads the model (returned, to be
+    reused; with --backend vllm, after vllm_engine.check, the engine sized for `examples`), the Ray engine
+    checks that Ray is installed and the model's config and tokenizer load."""
+    check_settings(work, generating)
     if work.cfg.engine != "ray":
         return work.load_policy(examples) if generating else None
-    _import_ray()
     if generating:
         from .models import load_tokenizer
 

@@ -63,13 +63,14 @@ def main(cfg: EvaluateConfig) -> dict:
     from .. import engines, promptcheck
     from ..models import load_tokenizer
 
+    work = engines.Work("evaluate", cfg)
+    engines.check_settings(work, generating=not cfg.predictions)
     prompt, token_metrics = {}, {}
     if not cfg.predictions:  # the policy's prompt settings and the prompts' token budget, before the model loads
         prompt, token_metrics = promptcheck.preflight(
             cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
             new_tokens=cfg.max_new_tokens)
-    work = engines.Work("evaluate", cfg)
-    policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model fails before any output exists
+    policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
     with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},

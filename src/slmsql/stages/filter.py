@@ -39,13 +39,14 @@ def main(cfg: FilterConfig) -> dict:
     examples = read_gold(cfg.data)[:cfg.limit or None]
     if cfg.adapter:
         check_adapter_base(cfg.adapter, cfg.model)
+    work = engines.Work("filter", cfg)
+    engines.check_settings(work, generating=True)
     prompt, token_metrics = promptcheck.preflight(
         cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
         new_tokens=cfg.max_new_tokens)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
     # then refuse to resume ("unfinished run with other parameters").
-    work = engines.Work("filter", cfg)
     policy = engines.check(work, generating=True, examples=examples)
 
     # sample and score on the engine; every finished row goes to disk at once (resume)

@@ -42,6 +42,7 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
 
 
 def main(cfg: GRPOStageConfig) -> dict:
+    import mlflow
     from datasets import Dataset
     from trl import GRPOConfig
 

@@ -28,6 +28,7 @@ def conversations(cfg, examples) -> list[dict]:
 
 
 def main(cfg: SFTStageConfig) -> dict:
+    import mlflow
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
