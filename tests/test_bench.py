@@ -94,3 +94,18 @@ def test_lifecycle_bench_plain_loop_batches_as_the_sft_collator_does():
     assert ids.tolist() == [[5, 6, 7, 8], [9, 10, 11, 0]]
     assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]] and int(mask.sum()) == 7
     assert labels.tolist() == [[-100, -100, 7, 8], [-100, 10, 11, -100]]
+
+
+@pytest.mark.slow  # loads a model and generates (and, where vLLM is installed, starts its engine)
+def test_generation_bench_times_both_backends_on_the_same_prompts(tmp_path):
+    from slmsql import toyworld
+    from slmsql.models import build_tiny_model
+
+    toyworld.generate(tmp_path / "toy", seed=0, size="small")
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
+    out = run_bench("generation.py", "--model", str(model), "--world", str(tmp_path / "toy"), "--n", "3", "--k", "2",
+                    "--max-new-tokens", "4")
+    assert out["prompts"] == 3 and out["transformers_greedy_tokens_per_s"] > 0
+    assert out["transformers_sampled_tokens_per_s"] > 0
+    assert "ratio_sampled" in out or out["vllm"].startswith("not run")
