@@ -80,6 +80,12 @@ def filter_cfg(policy, data, out, **over):
         "k": 4, "max_new_tokens": 40, "workers": 1, "timeout_s": 2.0, **over})
 
 
+def pinned(rows) -> dict:
+    """Two questions' samples, fixed: one in the band, one all-fail, whatever the policy samples."""
+    return {rows[2]["id"]: [scripted.right(rows[2]), scripted.WRONG] * 2,
+            rows[3]["id"]: [scripted.WRONG, scripted.NO_SQL] * 2}
+
+
 @pytest.fixture(scope="module")
 def filtered(policy, tmp_path_factory):
     """One filter run (k=4) over the 40 source questions plus two that cannot be scored."""
@@ -92,8 +98,7 @@ def filtered(policy, tmp_path_factory):
     with tracking_store(uri), pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # 10 s by default: this run may be shorter
         # the policy samples the rest; these two are pinned, so the band and all-fail are never empty
-        scripted.pin(mp, completions={rows[2]["id"]: [scripted.right(rows[2]), scripted.WRONG] * 2,
-                                      rows[3]["id"]: [scripted.WRONG, scripted.NO_SQL] * 2})
+        scripted.pin(mp, completions=pinned(rows))
         summary = passrate.main(filter_cfg(policy, data, root / "out"))
     return root / "out", data, summary, uri
 
@@ -180,6 +185,7 @@ def test_pass_rates_do_not_depend_on_chunks_or_batches(policy, filtered, tmp_pat
     time give every question the same K statuses as rounds of 32 at 16 (the fixture), so the same rows,
     pass rates and buckets. (Ray's shards are one more partitioning: tests/test_ray.py.)"""
     out, data, _, _ = filtered
+    scripted.pin(monkeypatch, completions=pinned(read(policy.source)))  # as the fixture's run
     monkeypatch.setattr(passrate, "CHUNK", 5)
     passrate.main(filter_cfg(policy, data, tmp_path / "out", batch_size=3))
     rows = read(tmp_path / "out" / "passrates.jsonl")

@@ -89,10 +89,14 @@ def preflight(cfg, examples, tokenizer, *, policy, new_tokens: int) -> tuple[dic
     (the `tokens/*` metrics, returned)."""
     from . import tokens
 
+    from .data import db_path
+
     mine = settings(cfg, tokenizer)
     check_trained_with(policy, mine, cfg.allow_prompt_change)
     builder = builder_for(cfg)
-    prompts = [render_prompt(tokenizer, builder.messages(e)) for e in examples]
-    metrics = tokens.check_prompts(tokenizer, prompts, [e.id for e in examples], model=cfg.model,
+    # a question whose database is missing is never prompted (the filter counts it as an error)
+    prompted = [e for e in examples if db_path(cfg.db_root, e.db_id).is_file()]
+    prompts = [render_prompt(tokenizer, builder.messages(e)) for e in prompted]
+    metrics = tokens.check_prompts(tokenizer, prompts, [e.id for e in prompted], model=cfg.model,
                                    new_tokens=new_tokens, source=cfg.data)
     return mine, metrics
