@@ -207,7 +207,9 @@ def test_served_run_training_curves_and_clean_adapter(served_run):
 def test_served_run_params_are_the_stage_config(served_run):
     cfg, _, _, run, _ = served_run
     params = run.data.params
-    assert set(params) == set(configs.to_params(cfg))  # not TRL's ~224 training arguments
+    # the stage config and the prompt settings' hashes (promptcheck), not TRL's ~224 training arguments
+    assert set(params) == set(configs.to_params(cfg)) | {"prompt.system_prompt", "prompt.chat_template",
+                                                         "prompt.schema_source"}
     assert "" not in params.values() and "adapter_mode" not in params  # no base adapter: the mode does not apply
     assert "adam_beta1" not in params and "vocab_size" not in params
     assert params["num_generations"] == "4" and params["rewards"] == "execution,format"
