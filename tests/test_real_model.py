@@ -143,6 +143,7 @@ def test_registered_model_answers_as_evaluate_did(stages, monkeypatch):
     assert "adapter_model.safetensors" in stages["pushed"] and "README.md" in stages["pushed"]
     card = stages["pushed"]["README.md"].decode()
     assert MODEL in card and "dequantized from a Q4_1 GGUF" in card
+    assert str(stages["root"]) not in card  # the starting adapter by its run URI, not this machine's folder
     client = mlflow.MlflowClient()
     [version] = client.search_model_versions(f"run_id = '{stages['runs']['grpo'].info.run_id}'")
     loaded = mlflow.pyfunc.load_model(f"models:/{version.name}/{version.version}")

@@ -72,7 +72,7 @@ def main(cfg: EvaluateConfig) -> dict:
             new_tokens=cfg.max_new_tokens)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
-            "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": cfg.adapter or ""}
+            "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": tracking.param_value(cfg.adapter or "")}
     with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},
                                 tags=tags) as run:
         work_dir = st.work

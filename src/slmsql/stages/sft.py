@@ -59,7 +59,7 @@ def main(cfg: SFTStageConfig) -> dict:
     # policy is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
     with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags={"slmsql.model": cfg.model,
-                                                          "slmsql.base_adapter": cfg.base_adapter},
+                                                          "slmsql.base_adapter": tracking.param_value(cfg.base_adapter)},
                                         system_metrics=True, outbox=outbox):
         # data
         train = Dataset.from_list([rows[j] for j in keep])
