@@ -85,7 +85,7 @@ def stages(tmp_path_factory):
     with HubStub() as hub:
         runs["publish"] = slmsql(
             "publish", "--grpo-run", runs["grpo"].info.run_id, "--eval-runs", runs["eval-grpo"].info.run_id,
-            "--filter-run", runs["filter"].info.run_id, "--repo-id", REPO, "--endpoint", hub.url, recipe=False,
+            "--repo-id", REPO, "--endpoint", hub.url, recipe=False,
             extra_env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"})
         pushed = hub.files(REPO)
     yield {"root": root, "uri": uri, "runs": runs, "pushed": pushed, "world": world,

@@ -268,7 +268,8 @@ def test_small_sweep_table_has_one_row_per_variant(small_sweep):
 
     parent, uri = small_sweep["parent"], small_sweep["uri"]
     with tracking_store(uri):
-        table = mlflow.load_table("sweep_table.json", run_ids=[parent.info.run_id])
+        table = mlflow.MlflowClient().load_table(parent.info.experiment_id, "sweep_table.json",
+                                                 run_ids=[parent.info.run_id])
     assert list(table["variant"]) == ["runs_tier=0.1", "runs_tier=0.0"]
     assert list(table.columns) == ["variant", "seeds"] + [f"dev-slice/{k}" for k in sweep.ROW_KEYS]
     assert set(table["dev-slice/verdict"]) <= {"improved", "regressed", "no significant difference"}
