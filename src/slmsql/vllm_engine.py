@@ -89,20 +89,17 @@ class Engine:
 
 
 def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths. Refuses a
-    model whose context cannot hold the longest prompt plus max_new_tokens, before building the engine."""
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths."""
     from transformers import AutoConfig, GenerationConfig
 
     from .generation import eos_ids
     from .models import adapter_folder, resolve_device, resolve_dtype
 
     vllm = import_vllm()
+    # a prompt that leaves no room for max_new_tokens in the context was refused before any model loaded
+    # (promptcheck.preflight -> tokens.check_prompts), on every backend
     need = max(prompt_lengths, default=1) + cfg.max_new_tokens
     config = AutoConfig.from_pretrained(cfg.model)
-    context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if context is not None and need > context:
-        raise SlmsqlError(f"model '{cfg.model}': its context ({context} tokens) cannot hold the longest prompt "
-                          f"({max(prompt_lengths)} tokens) plus --max-new-tokens {cfg.max_new_tokens}")
     try:
         generation_config = GenerationConfig.from_pretrained(cfg.model)
     except OSError:  # no generation_config.json: transformers builds the same from the model config
