@@ -81,9 +81,10 @@ def filter_cfg(policy, data, out, **over):
 
 
 def pinned(rows) -> dict:
-    """Two questions' samples, fixed: one in the band, one all-fail, whatever the policy samples."""
+    """Three questions' samples, fixed: one in the band, one all-fail, one all-pass, whatever the policy samples."""
     return {rows[2]["id"]: [scripted.right(rows[2]), scripted.WRONG] * 2,
-            rows[3]["id"]: [scripted.WRONG, scripted.NO_SQL] * 2}
+            rows[3]["id"]: [scripted.WRONG, scripted.NO_SQL] * 2,
+            rows[4]["id"]: [scripted.right(rows[4])] * 4}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def filtered(policy, tmp_path_factory):
     uri = f"sqlite:///{root}/mlflow.db"
     with tracking_store(uri), pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # 10 s by default: this run may be shorter
-        # the policy samples the rest; these two are pinned, so the band and all-fail are never empty
+        # the policy samples the rest; these three are pinned, so band, all-fail and all-pass are never empty
         scripted.pin(mp, completions=pinned(rows))
         summary = passrate.main(filter_cfg(policy, data, root / "out"))
     return root / "out", data, summary, uri
@@ -120,10 +121,11 @@ def test_filter_files_are_consistent(filtered):
         assert r["bucket"] == passrates.bucket(r["n_correct"], 4, 0.2, 0.8)
 
     band = read(out / "band.jsonl")
-    pinned = source[list(source)[2]]["id"], source[list(source)[3]]["id"]
+    pinned = [source[list(source)[i]]["id"] for i in (2, 3, 4)]
     assert pinned[0] in {r["id"] for r in band}  # 2 of 4 right
     by_id = {r["id"]: r for r in rates}
     assert (by_id[pinned[1]]["bucket"], by_id[pinned[1]]["statuses"]) == ("all_fail", ["wrong_result", "no_sql"] * 2)
+    assert (by_id[pinned[2]]["bucket"], by_id[pinned[2]]["n_correct"]) == ("all_pass", 4)
     by_id = {r["id"]: r for r in rates}
     for row in band:
         assert by_id[row["id"]]["bucket"] == "band"
@@ -190,7 +192,7 @@ def test_pass_rates_do_not_depend_on_chunks_or_batches(policy, filtered, tmp_pat
     passrate.main(filter_cfg(policy, data, tmp_path / "out", batch_size=3))
     rows = read(tmp_path / "out" / "passrates.jsonl")
     assert rows == read(out / "passrates.jsonl")
-    assert len({r.get("n_correct") for r in rows}) >= 3  # a spread of pass rates, not all 0/4
+    assert {2, 0, 4} <= {r.get("n_correct") for r in rows}  # the pinned spread: band, all-fail, all-pass
 
 
 # ---- resume after kill -9 -------------------------------------------------------------------------------
