@@ -61,48 +61,27 @@ def trl_config(trl_cls, cfg, work: Path, **stage_settings):
     return args
 
 
-def fused_head_is_fallback(device) -> bool:
-    """Whether TRL's fused LM head runs its torch fallback on `device`: it has Triton kernels for CUDA and XPU
-    only. The fallback scores every position (prompt and padding too) in a dozen elementwise passes over
-    tokens x vocabulary, forward and backward."""
-    from transformers.utils import is_triton_available
+def compact_fused_head() -> None:
+    """Make TRL's fused LM head project only the positions that carry a label on a CPU too.
 
-    return device.type not in ("cuda", "xpu") or not is_triton_available()
+    TRL (SFT and GRPO) computes per-token log-probabilities, entropy and accuracy with a fused LM head that never
+    builds the (tokens x vocabulary) logits. On CUDA/XPU it projects only the positions with a label; elsewhere
+    every position, prompt and padding included, so that a compiled backend (Neuron) sees fixed tile shapes. On a
+    CPU in eager mode that only multiplies the work: the toy SFT's completions are 21 of ~167 tokens, and the head
+    was ~55% of a step (bench/README.md, lifecycle.py). The values are the same either way (unlabelled positions
+    are zero). TRL 1.16 decides it with `trl.trainer.utils._use_triton` alone (its kernels' own choice of Triton
+    or torch lives in `trl.kernels.chunked_logprob` and is left alone); a TRL without that name is left as it is."""
+    from trl.trainer import utils as trl_utils
 
+    decide = getattr(trl_utils, "_use_triton", None)
+    if decide is None or getattr(decide, "slmsql_compact", False):
+        return
 
-def sft_trainer(**kwargs):
-    """TRL's SFTTrainer, except where its fused LM head runs the torch fallback (`fused_head_is_fallback`, e.g.
-    a CPU): there it was ~55% of a toy SFT step (bench/README.md, lifecycle.py), so the loss comes from the
-    model's own forward (transformers' causal-LM loss over the same labels: the same value) and TRL's metrics
-    (entropy, mean_token_accuracy, num_tokens) from its logits on the completion tokens. On a GPU the fused
-    head stays: it never builds the (tokens x vocabulary) logits, which a 150k vocabulary makes large."""
-    import torch
-    from transformers import Trainer
-    from trl import SFTTrainer
+    def compact(device) -> bool:
+        return device.type == "cpu" or decide(device)
 
-    class ModelLossSFTTrainer(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            inputs = {**{k: v for k, v in inputs.items() if k != "completion_mask"}, "use_cache": False}
-            loss, out = Trainer.compute_loss(self, model, inputs, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
-            mode = "train" if model.training else "eval"
-            gather = lambda t: self.accelerator.gather_for_metrics(t).sum()  # noqa: E731
-            with torch.no_grad():  # TRL's metrics, as its compute_loss defines them
-                labels = inputs["labels"][:, 1:]
-                mask = labels != -100
-                logp = out.logits[:, :-1][mask].float().log_softmax(-1)
-                n = gather(mask.sum())
-                entropy = gather(-(logp.exp() * logp).sum())
-                correct = gather((logp.argmax(-1) == labels[mask]).sum())
-                self._metrics[mode]["entropy"].append((entropy / n).item() if n > 0 else 0.0)
-                self._metrics[mode]["mean_token_accuracy"].append((correct / n).item() if n > 0 else 0.0)
-                if mode == "train":
-                    self._total_train_tokens += gather(inputs["attention_mask"].sum()).item() // self._tp_size
-                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-            return (loss, out) if return_outputs else loss
-
-    args = kwargs["args"]
-    return (ModelLossSFTTrainer if fused_head_is_fallback(args.device) else SFTTrainer)(**kwargs)
+    compact.slmsql_compact = True
+    trl_utils._use_triton = compact
 
 
 def lora_config(cfg):

@@ -107,6 +107,7 @@ def main(cfg: GRPOStageConfig) -> dict:
         reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match, **hooks)
 
         # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
+        training.compact_fused_head()
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,

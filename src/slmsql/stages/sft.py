@@ -30,7 +30,7 @@ def conversations(cfg, examples) -> list[dict]:
 def main(cfg: SFTStageConfig) -> dict:
     import mlflow
     from datasets import Dataset
-    from trl import SFTConfig
+    from trl import SFTConfig, SFTTrainer
 
     from .. import descriptions, distributed, durable, promptcheck, tokens, tracking, training
     from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
@@ -71,9 +71,10 @@ def main(cfg: SFTStageConfig) -> dict:
         model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True, dtype=cfg.dtype)
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
         peft_config = training.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
-        # trainer (TRL's; on a CPU with the model's own loss, training.sft_trainer)
-        trainer = training.sft_trainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
-                                       peft_config=peft_config, callbacks=[training.metrics_callback(outbox)])
+        # trainer
+        training.compact_fused_head()
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
+                             peft_config=peft_config, callbacks=[training.metrics_callback(outbox)])
         training.quiet_progress(trainer)
         t0 = time.time()
         result = trainer.train()
