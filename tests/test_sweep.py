@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -391,3 +394,39 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
     assert [r.data.tags["slmsql.stage"] for r in new] == ["sweep"]  # only the new parent
     assert new[0].data.metrics["cells_reused"] == new[0].data.metrics["cells"] == 4
     assert "| runs_tier=0.0 |" in again.output  # the table, printed
+
+
+# ---- make study-headroom: its command plans the table the README reports --------------------------------
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parents[1]
+    dry = subprocess.run(["make", "-n", "-C", str(repo), "study-headroom", "BIN=bin", "VENV=venv"],
+                         capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    lines = [shlex.split(x)[1:] for x in dry.splitlines() if x.startswith("bin/slmsql ")]
+    weak_sft = next(a for a in lines if a[0] == "sft" and "--max-steps" in a)
+    assert int(weak_sft[weak_sft.index("--max-steps") + 1]) < configs.SFTStageConfig().max_steps  # stopped early
+    args = next(a for a in lines if a[0] == "sweep")
+    for i, a in enumerate(args[:-1]):  # the files it reads, empty, where the study would find them
+        if a in ("--data", "--eval-data"):
+            for f in args[i + 1].split(","):
+                (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+                write(tmp_path / f, [])
+        elif a == "--db-root":
+            (tmp_path / args[i + 1]).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    planned = []
+    monkeypatch.setattr(sweep, "main", lambda cfg: planned.append(sweep.plan(cfg)))
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    [p] = planned
+    assert [s.name for s in p.starts] == ["weak", "demo"] and len(p.seeds) == 3
+    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross"]
+    weak, demo = p.starts
+    assert "weak" in weak.data and weak.data != demo.data  # each start on its own filter band
+    steps = {label: c.max_steps for label, c in p.grpo.items()}
+    assert len(steps) == 4 and {label.split()[0] for label in steps} == {"start=weak", "start=demo"}
+    # the demo's 50 GRPO steps and a longer run, the same two for both starts
+    for st in ("weak", "demo"):
+        mine = sorted(s for label, s in steps.items() if label.startswith(f"start={st} "))
+        assert mine[0] == configs.GRPOStageConfig().max_steps == 50 and mine[1] > 50
