@@ -56,7 +56,7 @@ HEADROOM_SFT_STEPS ?= 550
 # every question with correctness variance among the K = 8 samples (1 to 7 right): the weak start's default
 # (0.2, 0.8) band is 25 questions, 19 of them simple, too narrow to train on (README)
 HEADROOM_BAND ?= --low 0.1 --high 0.9
-HEADROOM_GRID ?= max_steps=50; max_steps=200 learning_rate=0.002
+HEADROOM_GRID ?= max_steps=50,200
 HEADROOM := outputs/headroom-study
 
 $(HEADROOM)/sft-weak/config.json: | outputs/tiny-model/config.json
