@@ -401,7 +401,7 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypatch):
     repo = Path(__file__).resolve().parents[1]
-    dry = subprocess.run(["make", "-n", "-C", str(repo), "study-headroom", "BIN=bin", "VENV=venv"],
+    dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), "study-headroom", "BIN=bin", "VENV=venv"],
                          capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
     lines = [shlex.split(x)[1:] for x in dry.splitlines() if x.startswith("bin/slmsql ")]
     weak_sft = next(a for a in lines if a[0] == "sft" and "--max-steps" in a)

@@ -341,8 +341,9 @@ class PipelineConfig(Common):
 
 @dataclass
 class SweepConfig(Common):
-    """GRPO variants x training seeds from one starting policy and one RL set: every cell trains and evaluates
-    as child runs of one parent, which compares each variant (pooled over seeds) with the starting policy."""
+    """GRPO variants x training seeds from a starting policy (or several: a start axis) and its RL set: every cell
+    trains and evaluates as child runs of one parent, which compares each variant (pooled over seeds) with its
+    starting policy."""
 
     key_metrics: ClassVar = ("variants", "cells", "cells_reused")
 

@@ -1,4 +1,6 @@
-"""Sweep: GRPO variants x training seeds from one starting policy and one RL set, compared with that policy.
+"""Sweep: GRPO variants x training seeds from a starting policy and its RL set, compared with that policy.
+Several starts (`--model A,B`, each with its own `--data`) make a start axis: every variant x seed trains from
+each, each cell is compared with its own start, and the table (one Holm family) holds them all.
 
 plan (grid, cell configs, files, baseline runs: all checked before any run starts) -> baseline evaluations
 (the given runs, or the starting policy evaluated once per eval set) -> cells: `grpo`, then `evaluate` on
