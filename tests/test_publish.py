@@ -746,6 +746,54 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert front_matter(card)["model-index"][0]["results"][0]["metrics"][0]["value"] == 36.2
 
 
+def test_sweep_card_of_several_starts_shows_each_rows_start(store, tmp_path):
+    """A sweep with a start axis: the card's table has a Start EX column (each row vs its own start), and no
+    single start's EX heads it."""
+    import mlflow
+
+    from slmsql.configs import Variant
+    from slmsql.stages import sweep
+    from slmsql.stages.publish import main
+
+    data = seed_results()
+    starts = [sweep.Start("weak", "w", "", "bw"), sweep.Start("demo", "d", "", "bd")]
+    variants = [Variant(f"start={s.name} defaults", {}) for s in starts]
+    plan = sweep.Plan(variants, {}, None, [sweep.EvalSet("bird", "", ""), sweep.EvalSet("spider", "", "")],
+                      [0, 1, 2], starts, dict(zip([v.label for v in variants], starts)))
+    # the demo start's baseline is the weak start's results shifted: a different start EX per row
+    correct = {f"base-{s.name}-{e}": {f"q{i}": (c if s.name == "weak" else not c) for i, c in enumerate(b)}
+               for s in starts for e, b in data["baseline"].items()}
+    cells = []
+    for v, s in zip(variants, starts):
+        for seed in plan.seeds:
+            evals = {}
+            for e in ("bird", "spider"):
+                mine = s.name == "weak" and seed == 1
+                evals[e] = store[f"grpo_{e}"] if mine else f"{s.name}-{e}-{seed}"
+                correct[evals[e]] = {f"q{i}": c for i, c in enumerate(data["runs"][("defaults", e, seed)])}
+            cells.append({"variant": v.label, "seed": seed, "eval_runs": evals, "reused": False,
+                          "grpo_run": store["grpo"] if (s.name, seed) == ("weak", 1) else f"g-{s.name}-{seed}",
+                          "baseline_runs": {e: f"base-{s.name}-{e}" for e in ("bird", "spider")}})
+    rep = sweep.report(plan, cells, correct, alpha=0.05)
+    client = mlflow.MlflowClient()
+    run = client.create_run(client.get_run(store["grpo"]).info.experiment_id, tags={"slmsql.stage": "sweep"})
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "sweep.json").write_text(json.dumps(rep))
+    client.log_artifacts(run.info.run_id, str(tmp_path / "report"), "report")
+    client.set_terminated(run.info.run_id)
+
+    main(config(store, tmp_path, evals=(), sweep_run=run.info.run_id, dry_run=True))
+    table = " ".join(section((tmp_path / "out" / "README.md").read_text(), "Seeds and variants").split())
+    assert "from each of 2 starting points (weak, demo), each on its own RL data" in table
+    assert "| Variant | Start EX | EX mean |" in table and "; the SFT" not in table.split("| Variant")[0]
+    for r in rep["rows"]:  # every row shows its own start's EX
+        assert f"{r['variant']}{'** (this adapter' if r['variant'].startswith('start=weak') else ''}" in table
+    weak = next(r for r in rep["rows"] if r["variant"] == "start=weak defaults" and r["eval_set"] == "bird")
+    demo = next(r for r in rep["rows"] if r["variant"] == "start=demo defaults" and r["eval_set"] == "bird")
+    assert weak["ex_b"] != demo["ex_b"]
+    assert f"| {100 * demo['ex_b']:.1f}% | {100 * demo['ex_mean']:.1f}% |" in table
+
+
 def test_reproduce_command_prints_only_what_differs_from_the_defaults():
     """Params come back from MLflow as text: a default logged as 'false' or 'all-linear' is not printed,
     a changed value is, quoted for the shell."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +217,71 @@ def test_report_of_one_seed_has_no_sd():
     json.dumps(rep, allow_nan=False)
 
 
+def test_start_axis_trains_every_variant_from_each_start_on_its_own_data(tmp_path):
+    (tmp_path / "dbs").mkdir()
+    bands = [str(write(tmp_path / f"band-{x}.jsonl", [])) for x in ("weak", "demo")]
+    base = dict(data=bands, db_root=str(tmp_path / "dbs"), eval_data=[str(write(tmp_path / "dev.jsonl", []))],
+                model=["runs:/w/policy", "runs:/d/policy"], start_names=["weak", "demo"],
+                grid="max_steps=50; max_steps=400 learning_rate=5e-4")
+    p = sweep.plan(SweepConfig(**base))
+    assert [v.label for v in p.variants] == [
+        "start=weak max_steps=50", "start=weak max_steps=400 learning_rate=0.0005",
+        "start=demo max_steps=50", "start=demo max_steps=400 learning_rate=0.0005"]
+    got = {label: (c.model, c.data, c.max_steps, c.learning_rate) for label, c in p.grpo.items()}
+    lr = configs.GRPOStageConfig().learning_rate
+    assert got["start=weak max_steps=50"] == ("runs:/w/policy", str(Path(bands[0]).resolve()), 50, lr)
+    assert got["start=demo max_steps=400 learning_rate=0.0005"] == ("runs:/d/policy", str(Path(bands[1]).resolve()),
+                                                                     400, 5e-4)
+    assert {label: st.name for label, st in p.start_of.items()} == {v.label: v.label.split()[0][6:] for v in p.variants}
+    # one RL file serves every start; the names default to each path's last part
+    one = sweep.plan(SweepConfig(**{**base, "data": bands[:1], "start_names": [], "model": ["a/weak", "b/demo"]}))
+    assert [s.name for s in one.starts] == ["weak", "demo"] and {s.data for s in one.starts} == {bands[0]}
+    # one start: the labels stay the grid's (the toy study's table is unchanged)
+    assert [v.label for v in sweep.plan(SweepConfig(**{**base, "model": ["m"], "data": bands[:1],
+                                                       "start_names": []})).variants] == ["max_steps=50",
+                                                                                          "max_steps=400 learning_rate=0.0005"]
+    for change, match in [
+        (dict(start_names=["weak"]), "field 'start_names': 1 given for 2 --model"),
+        (dict(data=bands + bands[:1]), "field 'data': 3 given for 2 --model"),
+        (dict(base_adapter=["x"]), "field 'base_adapter': 1 given for 2 --model"),
+        (dict(start_names=["a", "a"]), "field 'start_names': start names must differ"),
+        (dict(start_names=[], model=["x/policy", "y/policy"]), "start names must differ"),
+        (dict(baseline_runs=["r1"]), "field 'baseline_runs': one per eval set is for one start"),
+    ]:
+        with pytest.raises(DataError, match=match):
+            sweep.plan(SweepConfig(**{**base, **change}))
+
+
+def test_start_axis_compares_each_row_with_its_own_start_in_one_holm_family():
+    ids = [f"q{i}" for i in range(40)]
+    # the weak start gets 10 of 40 right and GRPO lifts it to 30; the strong one starts at 30 and stays there
+    weak, strong = [i < 10 for i in range(40)], [i < 30 for i in range(40)]
+    lifted = [i < 30 for i in range(40)]
+    starts = [sweep.Start("weak", "w", "", "bw"), sweep.Start("demo", "d", "", "bd")]
+    variants = [Variant(f"start={s.name} defaults", {}) for s in starts]
+    plan = sweep.Plan(variants, {}, None, [sweep.EvalSet("dev", "", "")], [0, 1], starts,
+                      dict(zip([v.label for v in variants], starts)))
+    correct = {"bw": dict(zip(ids, weak)), "bd": dict(zip(ids, strong))}
+    cells = []
+    for v, st in zip(variants, starts):
+        for seed in plan.seeds:
+            correct[f"{st.name}-{seed}"] = dict(zip(ids, lifted))
+            cells.append({"variant": v.label, "seed": seed, "grpo_run": f"g-{st.name}-{seed}",
+                          "eval_runs": {"dev": f"{st.name}-{seed}"}, "baseline_runs": {"dev": f"b{st.name[0]}"},
+                          "reused": False})
+    rep = sweep.report(plan, cells, correct, alpha=0.05)
+    w, d = rep["rows"]
+    assert (w["start"], w["ex_b"], w["diff"], w["verdict"]) == ("weak", 0.25, 0.5, "improved")
+    assert (d["start"], d["ex_b"], d["diff"], d["verdict"]) == ("demo", 0.75, 0.0, "no significant difference")
+    assert rep["comparisons"] == 2 and [r["p_holm"] for r in rep["rows"]] == pytest.approx(
+        reference_holm([w["p"], d["p"]]))
+    assert rep["starts"] == [{"name": "weak", "baseline_runs": {"dev": "bw"}},
+                             {"name": "demo", "baseline_runs": {"dev": "bd"}}]
+    md = sweep.markdown(rep)
+    assert "| variant | start EX | EX mean |" in md and "| start=weak defaults | 25.0% | 75.0% |" in md
+    assert "starting policy EX" not in md  # no one start's EX heads a table of two starts
+
+
 
 # ---- one small real sweep: 2 variants x 2 seeds, 2 GRPO steps each, a 12-question dev slice ----------------
 
@@ -326,3 +394,39 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
     assert [r.data.tags["slmsql.stage"] for r in new] == ["sweep"]  # only the new parent
     assert new[0].data.metrics["cells_reused"] == new[0].data.metrics["cells"] == 4
     assert "| runs_tier=0.0 |" in again.output  # the table, printed
+
+
+# ---- make study-headroom: its command plans the table the README reports --------------------------------
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parents[1]
+    dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), "study-headroom", "BIN=bin", "VENV=venv"],
+                         capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    lines = [shlex.split(x)[1:] for x in dry.splitlines() if x.startswith("bin/slmsql ")]
+    weak_sft = next(a for a in lines if a[0] == "sft" and "--max-steps" in a)
+    assert int(weak_sft[weak_sft.index("--max-steps") + 1]) < configs.SFTStageConfig().max_steps  # stopped early
+    args = next(a for a in lines if a[0] == "sweep")
+    for i, a in enumerate(args[:-1]):  # the files it reads, empty, where the study would find them
+        if a in ("--data", "--eval-data"):
+            for f in args[i + 1].split(","):
+                (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+                write(tmp_path / f, [])
+        elif a == "--db-root":
+            (tmp_path / args[i + 1]).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    planned = []
+    monkeypatch.setattr(sweep, "main", lambda cfg: planned.append(sweep.plan(cfg)))
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    [p] = planned
+    assert [s.name for s in p.starts] == ["weak", "demo"] and len(p.seeds) == 3
+    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross"]
+    weak, demo = p.starts
+    assert "weak" in weak.data and weak.data != demo.data  # each start on its own filter band
+    steps = {label: c.max_steps for label, c in p.grpo.items()}
+    assert len(steps) == 4 and {label.split()[0] for label in steps} == {"start=weak", "start=demo"}
+    # the demo's 50 GRPO steps and a longer run, the same two for both starts
+    for st in ("weak", "demo"):
+        mine = sorted(s for label, s in steps.items() if label.startswith(f"start={st} "))
+        assert mine[0] == configs.GRPOStageConfig().max_steps == 50 and mine[1] > 50

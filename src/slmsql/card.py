@@ -260,7 +260,7 @@ def _sweep(runs: Runs) -> dict | None:
     return {"run": runs.sweep_run.info.run_id, "variant": cell["variant"], "seed": cell["seed"],
             "seeds": rep["seeds"], "n_variants": len(rep["variants"]), "comparisons": rep["comparisons"],
             "method": rep["method"], "adjustment": rep["adjustment"], "alpha": rep["alpha"],
-            "level": f"{1 - rep['alpha']:.0%}", "sets": sets,
+            "level": f"{1 - rep['alpha']:.0%}", "sets": sets, "starts": [s["name"] for s in rep.get("starts", [])],
             "spread": [r for r in rep["rows"] if r["variant"] == cell["variant"]]}
 
 

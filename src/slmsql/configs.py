@@ -341,8 +341,9 @@ class PipelineConfig(Common):
 
 @dataclass
 class SweepConfig(Common):
-    """GRPO variants x training seeds from one starting policy and one RL set: every cell trains and evaluates
-    as child runs of one parent, which compares each variant (pooled over seeds) with the starting policy."""
+    """GRPO variants x training seeds from a starting policy (or several: a start axis) and its RL set: every cell
+    trains and evaluates as child runs of one parent, which compares each variant (pooled over seeds) with its
+    starting policy."""
 
     key_metrics: ClassVar = ("variants", "cells", "cells_reused")
 
@@ -351,9 +352,14 @@ class SweepConfig(Common):
                     "items are joined by '+'; 'trainer_args.KEY=v1,v2' varies one TRL field. "
                     "Empty: the GRPO config alone.")
     seeds: int = opt(3, "Training seeds per variant: --seed, --seed + 1, ...")
-    model: str = opt("outputs/sft", "Starting policy: a Hub id or a local path.")
-    base_adapter: str = opt("", "Starting adapter on --model; every cell trains it further.")
-    data: str = opt("outputs/filter/band.jsonl", "RL data, the same for every cell.")
+    model: list[str] = opt(["outputs/sft"], "Starting policy: a Hub id or a local path. Several (comma-separated) "
+                           "are a start axis: every variant x seed is trained from each, and compared with its own "
+                           "start, in one table (one Holm family).")
+    base_adapter: list[str] = opt([], "Starting adapter on --model, one per --model; every cell trains it further.")
+    data: list[str] = opt(["outputs/filter/band.jsonl"], "RL data: one file for every start, or one per --model "
+                          "(each start's own filter band).")
+    start_names: list[str] = opt([], "Names of the starts, one per --model (default: the last part of each path); "
+                                 "with several starts the variants are labelled start=NAME ...")
     db_root: str = opt("outputs/toy/databases", "Database folder of the RL data (and of the eval sets, unless "
                        "--eval-db-roots).")
     eval_data: list[str] = opt(["outputs/toy/dev.jsonl", "outputs/toy/dev_cross.jsonl"],

@@ -126,6 +126,7 @@ def forest_figure(report: dict):
         ax.set_yticks(range(len(variants)), variants, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(f"EX difference, points ({1 - report['alpha']:.0%} CI)")
-        ax.set_title(f"{es['name']} (n = {es['n']}, start {100 * es['ex_b']:.1f}%)", fontsize=9)
+        start = "" if len(report.get("starts", [])) > 1 else f", start {100 * es['ex_b']:.1f}%"  # else per row
+        ax.set_title(f"{es['name']} (n = {es['n']}{start})", fontsize=9)
     fig.tight_layout()
     return fig

@@ -1,4 +1,6 @@
-"""Sweep: GRPO variants x training seeds from one starting policy and one RL set, compared with that policy.
+"""Sweep: GRPO variants x training seeds from a starting policy and its RL set, compared with that policy.
+Several starts (`--model A,B`, each with its own `--data`) make a start axis: every variant x seed trains from
+each, each cell is compared with its own start, and the table (one Holm family) holds them all.
 
 plan (grid, cell configs, files, baseline runs: all checked before any run starts) -> baseline evaluations
 (the given runs, or the starting policy evaluated once per eval set) -> cells: `grpo`, then `evaluate` on
@@ -45,13 +47,24 @@ class EvalSet:
     db_root: str
 
 
+@dataclass(frozen=True)
+class Start:
+    """A starting policy and its RL data: each start's cells are compared with that start's own evaluation."""
+    name: str
+    model: str
+    base_adapter: str
+    data: str
+
+
 @dataclass
 class Plan:
-    variants: list[Variant]
+    variants: list[Variant]  # with several starts, one per start x grid variant, labelled `start=NAME ...`
     grpo: dict  # variant label -> GRPOStageConfig of its cells (seed, output_dir set per cell)
     evaluate: EvaluateConfig  # every evaluation's options but what EVAL_OWNED names
     eval_sets: list[EvalSet]
     seeds: list[int]
+    starts: list[Start] = dataclasses.field(default_factory=list)
+    start_of: dict = dataclasses.field(default_factory=dict)  # variant label -> its Start
 
 
 def _local(path: str) -> str:
@@ -79,27 +92,51 @@ def _overrides(cfg: SweepConfig, variants: list[Variant]) -> dict:
     return by_stage
 
 
+def starts(cfg: SweepConfig) -> list[Start]:
+    """--model (one or more) with its --base-adapter, --data and --start-names, one Start each."""
+    n = len(cfg.model)
+    if not n:
+        raise DataError("give a starting policy", "command line", field="model")
+    for field, values in (("base_adapter", cfg.base_adapter), ("start_names", cfg.start_names)):
+        if values and len(values) != n:
+            raise DataError(f"{len(values)} given for {n} --model: give one per --model", "command line", field=field)
+    if len(cfg.data) not in (1, n):
+        raise DataError(f"{len(cfg.data)} given for {n} --model: give one RL file for all, or one per --model",
+                        "command line", field="data")
+    names = cfg.start_names or [Path(m.rstrip("/")).name or m for m in cfg.model]
+    if len(set(names)) != n:
+        raise DataError(f"start names must differ, got {names}", "command line", field="start_names")
+    if n > 1 and cfg.baseline_runs:
+        raise DataError("one per eval set is for one start: with several, the sweep evaluates each start itself",
+                        "command line", field="baseline_runs")
+    return [Start(*x) for x in zip(names, cfg.model, cfg.base_adapter or [""] * n, cfg.data * n if len(cfg.data) == 1
+                                   else cfg.data)]
+
+
 def plan(cfg: SweepConfig) -> Plan:
     """Everything the sweep will run, checked before anything runs."""
-    variants = configs.parse_grid(cfg.grid)
-    by_stage = _overrides(cfg, variants)
+    grid = configs.parse_grid(cfg.grid)
+    by_stage = _overrides(cfg, grid)
     base = configs.load(GRPOStageConfig, cfg.grpo_recipe or None, by_stage["grpo"], require=False)
-    fixed = dict(model=_local(cfg.model), base_adapter=_local(cfg.base_adapter), data=_local(cfg.data),
-                 db_root=_local(cfg.db_root), experiment=cfg.experiment)
-    grpo, seen = {}, {}
-    for v in variants:
-        settings = dict(v.settings)
-        if "trainer_args" in settings:
-            settings["trainer_args"] = {**base.trainer_args, **settings["trainer_args"]}
-        vcfg = dataclasses.replace(base, **settings, **fixed)
-        key = repr(sorted(configs.to_params(vcfg).items()))
-        if key in seen:
-            raise DataError(f"variants {seen[key]!r} and {v.label!r} are the same GRPO configuration", "--grid")
-        seen[key] = v.label
-        if cfg.base_adapter and vcfg.adapter_mode == "stack":
-            raise SlmsqlError(f"variant {v.label!r}: adapter_mode=stack with --base-adapter trains an adapter on the "
-                              "merged start, which evaluate (one adapter on --model) cannot load; use continue")
-        grpo[v.label] = vcfg
+    grpo, seen, variants, start_of, all_starts = {}, {}, [], {}, starts(cfg)
+    for st in all_starts:
+        fixed = dict(model=_local(st.model), base_adapter=_local(st.base_adapter), data=_local(st.data),
+                     db_root=_local(cfg.db_root), experiment=cfg.experiment)
+        for g in grid:
+            v = g if len(all_starts) == 1 else Variant(f"start={st.name} {g.label}", g.settings)
+            settings = dict(v.settings)
+            if "trainer_args" in settings:
+                settings["trainer_args"] = {**base.trainer_args, **settings["trainer_args"]}
+            vcfg = dataclasses.replace(base, **settings, **fixed)
+            key = repr(sorted(configs.to_params(vcfg).items()))
+            if key in seen:
+                raise DataError(f"variants {seen[key]!r} and {v.label!r} are the same GRPO configuration", "--grid")
+            seen[key] = v.label
+            if st.base_adapter and vcfg.adapter_mode == "stack":
+                raise SlmsqlError(f"variant {v.label!r}: adapter_mode=stack with --base-adapter trains an adapter on "
+                                  "the merged start, which evaluate (one adapter on --model) cannot load; use continue")
+            grpo[v.label], start_of[v.label] = vcfg, st
+            variants.append(v)
     evaluate = configs.load(EvaluateConfig, cfg.evaluate_recipe or None, by_stage["evaluate"], require=False)
 
     n = len(cfg.eval_data)
@@ -113,16 +150,17 @@ def plan(cfg: SweepConfig) -> Plan:
                             field=field)
     if len(set(names)) != n:
         raise DataError(f"eval set names must differ, got {names}", "command line", field="eval_names")
-    for path, field in [(cfg.data, "data"), *((p, "eval_data") for p in cfg.eval_data)]:
+    for path, field in [*((p, "data") for p in cfg.data), *((p, "eval_data") for p in cfg.eval_data)]:
         if not Path(path).is_file():
             raise DataError("no such file", path, field=field)
     for path in {cfg.db_root, *roots}:
         if not Path(path).is_dir():
             raise DataError("no such database folder", path)
-    if cfg.base_adapter and not Path(cfg.base_adapter).exists():
-        raise DataError("no such adapter folder", cfg.base_adapter, field="base_adapter")
+    for path in cfg.base_adapter:
+        if not Path(path).exists():
+            raise DataError("no such adapter folder", path, field="base_adapter")
     sets = [EvalSet(name, _local(data), _local(root)) for name, data, root in zip(names, cfg.eval_data, roots)]
-    return Plan(variants, grpo, evaluate, sets, [cfg.seed + i for i in range(cfg.seeds)])
+    return Plan(variants, grpo, evaluate, sets, [cfg.seed + i for i in range(cfg.seeds)], all_starts, start_of)
 
 
 def slug(label: str) -> str:
@@ -169,7 +207,8 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
                     raise SlmsqlError(f"evaluate run {c['eval_runs'][es.name]} scored other questions than its baseline")
                 runs.append([got[i] for i in ids])
             res = stats.compare_seeds(runs, [base[i] for i in ids], alpha)
-            rows.append({"variant": v.label, "eval_set": es.name, **{k: res[k] for k in (
+            start = getattr(plan.start_of.get(v.label), "name", "")
+            rows.append({"variant": v.label, "start": start, "eval_set": es.name, **{k: res[k] for k in (
                 "n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
                 "diff_ci_high", "t", "df", "p")}})
     for row, p_holm in zip(rows, stats.holm([r["p"] for r in rows])):
@@ -186,6 +225,9 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
                        "baseline_run": cells[0]["baseline_runs"][es.name]} for es in plan.eval_sets],
         "variants": [{"label": v.label, "settings": {k: param_text(x) for k, x in v.settings.items()}}
                      for v in plan.variants],
+        "starts": [{"name": st.name, "baseline_runs": next(c["baseline_runs"] for c in cells
+                                                           if plan.start_of[c["variant"]] == st)}
+                   for st in plan.starts],
         "rows": rows, "cells": cells,
     }
 
@@ -208,16 +250,22 @@ def markdown(rep: dict) -> str:
     pts = lambda x: "n/a" if x is None else f"{100 * x:+.1f}"  # noqa: E731
     pv = lambda p: "< 0.001" if p < 0.001 else f"{p:.3f}"  # noqa: E731
     level = f"{1 - rep['alpha']:.0%}"
-    lines = [f"{len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) {rep['seeds']}, each vs the starting "
-             f"policy. Pooled test: {rep['method']}. p (Holm): {rep['adjustment']}; the verdict compares it "
-             f"with alpha = {rep['alpha']}. EX sd / min-max: between seeds.", ""]
+    several = len(rep.get("starts", [])) > 1  # then each row has its own start: a column, not the heading
+    lines = [f"{len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) {rep['seeds']}, each vs "
+             f"{'its own' if several else 'the'} starting policy. Pooled test: {rep['method']}. p (Holm): "
+             f"{rep['adjustment']}; the verdict compares it with alpha = {rep['alpha']}. EX sd / min-max: between "
+             "seeds.", ""]
     for es in rep["eval_sets"]:
-        lines += [f"**{es['name']}** (n = {es['n']}; starting policy EX {pct(es['ex_b'])}, run {es['baseline_run']})",
-                  "", f"| variant | EX mean | sd (points) | min - max | diff, points [{level} CI] | p | p (Holm) | "
-                  "verdict |", "|---|---:|---:|---|---|---:|---:|---|"]
+        start = "" if several else f"; starting policy EX {pct(es['ex_b'])}, run {es['baseline_run']}"
+        lines += [f"**{es['name']}** (n = {es['n']}{start})", "",
+                  f"| variant |{' start EX |' if several else ''} EX mean | sd (points) | min - max | diff, points "
+                  f"[{level} CI] | p | p (Holm) | verdict |", f"|---|{'---:|' if several else ''}---:|---:|---|---|"
+                  "---:|---:|---|"]
         for r in (r for r in rep["rows"] if r["eval_set"] == es["name"]):
             sd = "n/a" if r["ex_sd"] is None else f"{100 * r['ex_sd']:.1f}"
-            lines.append(f"| {r['variant']} | {pct(r['ex_mean'])} | {sd} | {pct(r['ex_min'])} - {pct(r['ex_max'])} | "
+            start = f" {pct(r['ex_b'])} |" if several else ""
+            lines.append(f"| {r['variant']} |{start} {pct(r['ex_mean'])} | {sd} | {pct(r['ex_min'])} - "
+                         f"{pct(r['ex_max'])} | "
                          f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}] | {pv(r['p'])} | "
                          f"{pv(r['p_holm'])} | {r['verdict']} |")
         lines.append("")
@@ -241,20 +289,26 @@ def main(cfg: SweepConfig) -> dict:
         s = Steps(parent.info.experiment_id, output_dir=cfg.output_dir, experiment=cfg.experiment, seed=cfg.seed,
                   reuse=cfg.reuse)
         out = s.out
-        baselines = dict(given)
-        for es in p.eval_sets:
-            if es.name not in baselines:
-                baselines[es.name] = s.run(
-                    "evaluate", f"eval {es.name} starting policy", tags={"slmsql.variant": "baseline"},
-                    output_dir=str(out / "baseline" / slug(es.name)), model=_local(cfg.model),
-                    adapter=_local(cfg.base_adapter), data=es.data, db_root=es.db_root, dataset_name=es.name,
-                    alpha=str(cfg.alpha), **eval_params)
-        baseline_ids = {k: r.info.run_id for k, r in baselines.items()}
-        cells, correct = [], {r.info.run_id: _correct(s, r) for r in baselines.values()}
+        baseline_ids, correct, several = {}, {}, len(p.starts) > 1
+        for st in p.starts:  # each start evaluated once per eval set; its cells are compared with it
+            baselines = dict(given)
+            for es in p.eval_sets:
+                if es.name not in baselines:
+                    where = out / "baseline" / (slug(st.name) if several else "") / slug(es.name)
+                    baselines[es.name] = s.run(
+                        "evaluate", f"eval {es.name} starting policy" + (f" {st.name}" if several else ""),
+                        tags={"slmsql.variant": "baseline", **({"slmsql.start": st.name} if several else {})},
+                        output_dir=str(where), model=_local(st.model), adapter=_local(st.base_adapter), data=es.data,
+                        db_root=es.db_root, dataset_name=es.name, alpha=str(cfg.alpha), **eval_params)
+            baseline_ids[st.name] = {k: r.info.run_id for k, r in baselines.items()}
+            correct.update({r.info.run_id: _correct(s, r) for r in baselines.values()})
+        cells = []
         for v in p.variants:
+            st = p.start_of[v.label]
             for seed in p.seeds:
                 where = out / "cells" / slug(v.label) / f"seed-{seed}"
-                tags = {"slmsql.variant": v.label, "slmsql.seed": seed, "slmsql.sweep": parent.info.run_id}
+                tags = {"slmsql.variant": v.label, "slmsql.seed": seed, "slmsql.sweep": parent.info.run_id,
+                        **({"slmsql.start": st.name} if several else {})}
                 before = len(s.reused)
                 grpo = s.run("grpo", f"grpo {v.label} seed={seed}", tags=tags, output_dir=str(where / "grpo"),
                              seed=seed, **_params(p.grpo[v.label]))
@@ -262,13 +316,13 @@ def main(cfg: SweepConfig) -> dict:
                 evals = {}
                 for es in p.eval_sets:
                     run = s.run("evaluate", f"eval {es.name} {v.label} seed={seed}", tags=tags,
-                                output_dir=str(where / f"eval-{slug(es.name)}"), model=_local(cfg.model),
+                                output_dir=str(where / f"eval-{slug(es.name)}"), model=_local(st.model),
                                 adapter=adapter, data=es.data, db_root=es.db_root, dataset_name=es.name,
-                                baseline_run=baseline_ids[es.name], alpha=str(cfg.alpha), **eval_params)
+                                baseline_run=baseline_ids[st.name][es.name], alpha=str(cfg.alpha), **eval_params)
                     evals[es.name] = run.info.run_id
                     correct[run.info.run_id] = _correct(s, run)
                 cells.append({"variant": v.label, "seed": seed, "grpo_run": grpo.info.run_id, "eval_runs": evals,
-                              "baseline_runs": baseline_ids, "reused": len(s.reused) - before == 1 + len(evals)})
+                              "baseline_runs": baseline_ids[st.name], "reused": len(s.reused) - before == 1 + len(evals)})
         rep = report(p, cells, correct, cfg.alpha)
         text = markdown(rep)
         with Staged(report_dir, overwrite=True) as st:  # derived from the runs alone: replaced on every run
