@@ -20,7 +20,7 @@ import pytest
 from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, models
+from slmsql import configs, generation, models, vllm_engine
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
@@ -167,8 +167,24 @@ def test_evaluate_with_vllm_serves_the_adapter(policy, adapter, tmp_path, capsys
     assert sum(with_adapter[i] != without[i] for i in without) > 0  # vLLM applied the adapter
 
 
+@pytest.mark.slow
+def test_both_backends_stop_at_the_end_of_turn_token(tmp_path, vllm_ready):
+    """A model that closes its turn with <|im_end|> (not eos) and would ramble on to eos: both backends stop at
+    the end-of-turn token, since both take their stop tokens from models.stop_ids."""
+    import bigram
+
+    folder = bigram.eot_not_eos(tmp_path)
+    cfg = configs.load(configs.EvaluateConfig, None, {"data": "unused", "db_root": "unused", "model": str(folder),
+                                                      "max_new_tokens": 12})
+    lm, tok = models.load_model(folder)
+    text = bigram.prompt(tok, "How many items?")
+    engine, _ = vllm_engine.load(cfg, [len(tok(text, add_special_tokens=False)["input_ids"])], tok)
+    for backend, model in (("transformers", lm), ("vllm", engine)):
+        (completion,) = generation.generate(model, tok, [text], max_new_tokens=12, backend=backend, progress=False)[0]
+        assert completion.strip() == "SELECT 1", backend
+
+
 def test_grpo_with_use_vllm_says_when_vllm_is_outside_trls_range(tmp_path, shop, monkeypatch, caplog):
-    from slmsql import vllm_engine
     from slmsql.data import read_gold
     from slmsql.stages import grpo
 

@@ -3,11 +3,12 @@ adapter served as a LoRARequest, and slmsql's generation settings mapped one to 
 
 The same work as generation.py's transformers path: the same chat-templated prompts, tokenized by the model's
 own (transformers) tokenizer without special tokens and handed to vLLM as token ids; the same stop tokens
-(`generation.eos_ids`); completions decoded by that tokenizer (skip_special_tokens). So a text differs only
-where the logits do. Sampling: temperature, top_p, top_k, min_p and repetition_penalty as given (vLLM
-penalises prompt and completion tokens as transformers does), n = K samples per prompt in one request
-seeded `sample_seed(seed, key, 0)`, so a question's samples do not depend on its batch; greedy: temperature
-0. The checkpoint's generation_config.json is not read for sampling (`generation_config="vllm"`).
+(`models.stop_ids`: the eos ids and the chat template's end-of-turn token); completions decoded by that
+tokenizer (skip_special_tokens). So a text differs only where the logits do. Sampling: temperature, top_p,
+top_k, min_p and repetition_penalty as given (vLLM penalises prompt and completion tokens as transformers
+does), n = K samples per prompt in one request seeded `sample_seed(seed, key, 0)`, so a question's samples do
+not depend on its batch; greedy: temperature 0. The checkpoint's generation_config.json is not read for
+sampling (`generation_config="vllm"`).
 
 How the engine runs (README "vLLM generation" has the measurements): in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
@@ -84,7 +85,7 @@ class Engine:
 
     llm: object
     lora: object
-    eos_ids: list[int]
+    stop_ids: list[int]
     max_model_len: int
 
 
@@ -92,8 +93,7 @@ def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
     """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths."""
     from transformers import AutoConfig, GenerationConfig
 
-    from .generation import eos_ids
-    from .models import adapter_folder, resolve_device, resolve_dtype
+    from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
 
     vllm = import_vllm()
     # a prompt that leaves no room for max_new_tokens in the context was refused before any model loaded
@@ -120,7 +120,7 @@ def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
         raise SlmsqlError(f"vLLM cannot serve model '{cfg.model}': {type(e).__name__}: {e}") from e
-    return Engine(llm, lora, eos_ids(generation_config, tokenizer), need), tokenizer
+    return Engine(llm, lora, stop_ids(generation_config, tokenizer), need), tokenizer
 
 
 def _lora_rank(r: int) -> int:
@@ -147,7 +147,7 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
         params = [SamplingParams(
             n=n, temperature=temperature, top_p=top_p if sampling else 1.0, top_k=top_k if sampling else 0,
             min_p=min_p if sampling else 0.0, repetition_penalty=repetition_penalty if sampling else 1.0,
-            max_tokens=max_new_tokens, stop_token_ids=engine.eos_ids, seed=sample_seed(seed, key, 0),
+            max_tokens=max_new_tokens, stop_token_ids=engine.stop_ids, seed=sample_seed(seed, key, 0),
             detokenize=False) for key in keys[start:start + batch_size]]
         done = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
                                    lora_request=engine.lora, use_tqdm=progress)
