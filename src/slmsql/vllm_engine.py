@@ -66,8 +66,6 @@ def check(cfg, sampling: dict | None) -> None:
     """What vLLM cannot do as the transformers path does, refused before any model or output exists."""
     from .models import stacked_on
 
-    if cfg.engine == "ray":
-        raise SlmsqlError("--backend vllm runs on the local engine; with --engine ray use --backend transformers")
     if cfg.adapter and stacked_on(cfg.adapter):
         raise SlmsqlError(f"adapter '{cfg.adapter}' was stacked on another adapter (grpo --adapter-mode stack): "
                           "vLLM serves one LoRA on the base model; merge the inner adapter into a saved base "
@@ -89,8 +87,8 @@ class Engine:
     max_model_len: int
 
 
-def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths."""
+def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens."""
     from transformers import AutoConfig, GenerationConfig
 
     from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
@@ -98,7 +96,7 @@ def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
     vllm = import_vllm()
     # a prompt that leaves no room for max_new_tokens in the context was refused before any model loaded
     # (promptcheck.preflight -> tokens.check_prompts), on every backend
-    need = max(prompt_lengths, default=1) + cfg.max_new_tokens
+    need = max(longest, 1) + cfg.max_new_tokens
     config = AutoConfig.from_pretrained(cfg.model)
     try:
         generation_config = GenerationConfig.from_pretrained(cfg.model)
