@@ -10,6 +10,7 @@ Greedy SQL strings identical between the backends are reported, not asserted (fl
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -183,15 +184,45 @@ def test_both_backends_stop_at_the_end_of_turn_token(tmp_path, vllm_ready):
         assert completion.strip() == "SELECT 1", backend
 
 
-def test_grpo_with_use_vllm_says_when_vllm_is_outside_trls_range(tmp_path, shop, monkeypatch, caplog):
+def test_grpo_with_use_vllm_refuses_without_vllm_and_says_when_it_is_outside_trls_range(tmp_path, shop, monkeypatch,
+                                                                                      caplog):
+    import torch
+
     from slmsql.data import read_gold
     from slmsql.stages import grpo
 
     data = _questions(tmp_path, shop)
     cfg = configs.load(configs.GRPOStageConfig, None, {"data": str(data), "db_root": str(shop),
                                                        "trainer_args": "use_vllm=true vllm_mode=colocate"})
-    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False)):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # colocate on a CPU is refused: next test
+    monkeypatch.setattr(vllm_engine, "version", lambda: "")
+    with pytest.raises(SlmsqlError, match="use_vllm=true needs vLLM"):
+        grpo.check_args(cfg, read_gold(data))
+    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False), ("0.21.1", True)):
         monkeypatch.setattr(vllm_engine, "version", lambda: have)
+        # the installed vLLM as TRL's own check (trl.import_utils.is_vllm_available) finds it
+        monkeypatch.setattr(importlib.import_module("trl.import_utils"), "_is_package_available",
+                            lambda name, return_version=False: (True, have))
         caplog.clear()
         grpo.check_args(cfg, read_gold(data))
-        assert any("outside the range TRL supports" in r.message for r in caplog.records) == warned, have
+        said = [r.message for r in caplog.records if "TRL" in r.message and have in r.message]
+        assert bool(said) == warned, (have, [r.message for r in caplog.records])
+
+
+def test_grpo_colocated_vllm_on_a_cpu_is_refused_before_any_output(tmp_path, shop, monkeypatch, no_model_load):
+    """TRL's colocated vLLM cannot sync trained weights into vLLM's CPU build (vllm_engine.COLOCATE_ON_CPU;
+    README "vLLM generation" says what failed): refused before any model, output or run; server mode (the
+    engine elsewhere) is not."""
+    import torch
+
+    from slmsql.data import read_gold
+    from slmsql.stages import grpo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "version", lambda: "0.32.0")
+    base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model",
+            "output_dir": str(tmp_path / "out")}
+    for args in ("use_vllm=true", "use_vllm=true vllm_mode=colocate"):  # colocate is TRL's default mode
+        _refused(grpo, configs.GRPOStageConfig, {**base, "trainer_args": args}, "cannot run on a CPU")
+    cfg = configs.load(configs.GRPOStageConfig, None, {**base, "trainer_args": "use_vllm=true vllm_mode=server"})
+    grpo.check_args(cfg, read_gold(cfg.data))

