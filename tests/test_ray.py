@@ -330,7 +330,7 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
 @pytest.mark.slow
 def test_filter_with_vllm_on_ray_gives_the_local_vllm_engines_rows(policy, local_ray, tmp_path):
     """--backend vllm on Ray: one generation actor builds its own vLLM engine (in-process, CPU); its sampled
-    rows, on Ray's partitioning (batches of 4), equal the local vLLM engine's (one batch of 16 per chunk)."""
+    rows, on Ray's partitioning (batches of 4), equal the local vLLM engine's (batches of 16)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
