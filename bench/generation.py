@@ -74,8 +74,8 @@ def main() -> None:
         except Exception as e:  # not installed: transformers only
             result["vllm"] = f"not run ({e})"
         else:
-            lengths = [len(x) for x in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-            (engine, _), start_s = timed(lambda: vllm_engine.load(cfg, lengths, tokenizer))
+            longest = max(len(x) for x in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+            (engine, _), start_s = timed(lambda: vllm_engine.load(cfg, longest, tokenizer))
             result["vllm_start_s"] = round(start_s, 1)
             result["vllm_version"] = vllm_engine.version()
             for name, m in modes.items():

