@@ -243,3 +243,38 @@ def test_pushed_to_the_hub_and_registered(lifecycle, monkeypatch, tmp_path):
         assert token.encode() not in (r["path"] + "?" + r["query"]).encode() + r["body"]
     for path in root.rglob("*"):
         assert not path.is_file() or token.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
+    """The SFT policy and the GRPO adapter are LoggedModels of the runs that trained them, each with the EX of its
+    evaluations on both eval sets, linked to that eval set's dataset; the registered text2sql version is the GRPO
+    policy's model (run -> logged model -> version)."""
+    import mlflow
+
+    from slmsql import lineage
+
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    client, exp, _, c = _runs(uri)
+    mlflow.set_tracking_uri(uri)
+    models = {m.name: m for m in mlflow.search_logged_models(experiment_ids=[exp.experiment_id],
+                                                            output_format="list")}
+    assert {"sft", "grpo"} <= set(models)
+    for stage, files in (("sft", "policy"), ("grpo", "adapter")):
+        model, trained = models[stage], c[stage]
+        assert model.source_run_id == trained.info.run_id and str(model.status) == "READY"
+        assert trained.data.tags[lineage.MODEL_TAG] == model.model_id
+        assert model.tags[lineage.FILES_TAG] == f"runs:/{trained.info.run_id}/{files}"
+        ex = {m.dataset_name: (m.value, m.dataset_digest, m.run_id) for m in model.metrics if m.key == "ex"}
+        assert set(ex) == {"toy-dev", "toy-dev_cross"}
+        for split in ("dev", "dev_cross"):
+            evaluation = c[f"eval-{stage}-{split}"]
+            [digest] = {i.dataset.digest for i in evaluation.inputs.dataset_inputs if i.dataset.name == f"toy-{split}"}
+            assert ex[f"toy-{split}"] == (evaluation.data.metrics["ex"], digest, evaluation.info.run_id)
+    ranked = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
+                                         datasets=[{"dataset_name": "toy-dev"}],
+                                         order_by=[{"field_name": "metrics.ex", "dataset_name": "toy-dev"}])
+    assert {m.name for m in ranked} >= {"sft", "grpo"}
+    version = client.get_model_version_by_alias("toy-grpo", "candidate")
+    assert version.source == f"models:/{models['grpo'].model_id}"

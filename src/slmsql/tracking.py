@@ -306,10 +306,10 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def log_dataset(rows: list[dict], name: str, source, context: str) -> None:
-    """Log `rows` as an MLflow dataset input of the active run. `name` is what the data is (`sft`, `rl`, the
-    eval set's name): one name per dataset, whichever run logs it. Its source is the file, or the run URI it
-    was fetched from (`param_value`)."""
+def log_dataset(rows: list[dict], name: str, source, context: str):
+    """Log `rows` as an MLflow dataset input of the active run, and return it (metrics name it: `dataset=`).
+    `name` is what the data is (`sft`, `rl`, the eval set's name): one name per dataset, whichever run logs it.
+    Its source is the file, or the run URI it was fetched from (`param_value`)."""
     import warnings
 
     import mlflow
@@ -324,7 +324,9 @@ def log_dataset(rows: list[dict], name: str, source, context: str) -> None:
     uri = param_value(source)
     if uri != str(source):
         src = type(src)(uri)
-    mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame(safe_text(rows)), source=src, name=name), context=context)
+    dataset = mlflow.data.from_pandas(pd.DataFrame(safe_text(rows)), source=src, name=name)
+    mlflow.log_input(dataset, context=context)
+    return dataset
 
 
 # --- descriptions: what the run found, in words and numbers, on its overview page --------------------------

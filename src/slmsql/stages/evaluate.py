@@ -46,7 +46,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking, vocabulary
+    from .. import descriptions, lineage, tracking, vocabulary
 
     examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
@@ -77,7 +77,7 @@ def main(cfg: EvaluateConfig) -> dict:
                                 tags=tags) as run:
         work_dir = st.work
         mlflow.log_metrics(token_metrics)
-        tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
+        data = tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}
         engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
                     payloads=preds if cfg.predictions else None, policy=policy)
@@ -100,7 +100,8 @@ def main(cfg: EvaluateConfig) -> dict:
             log.warning("%d gold examples have no prediction; scored wrong", missing)
         write_jsonl(work_dir / "results.jsonl", results)
         write_json(work_dir / "metrics.json", metrics)
-        mlflow.log_metrics(tracking.numeric(metrics))
+        # EX is a metric of the evaluated policy's LoggedModel on this eval set (the experiment's Models tab)
+        mlflow.log_metrics(tracking.numeric(metrics), model_id=lineage.model_of(cfg.model, cfg.adapter), dataset=data)
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
         tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))

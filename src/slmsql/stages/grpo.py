@@ -46,8 +46,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import (descriptions, distributed, durable, figures, grpo_variants, promptcheck, rewards, tables, tracking,
-                    training)
+    from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards, tables,
+                    tracking, training)
     from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -87,7 +87,8 @@ def main(cfg: GRPOStageConfig) -> dict:
         builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
-        if main:
+        if main:  # the adapter's LoggedModel (a resumed run keeps its own), finalized with the run
+            outbox.track_model(lineage.start_policy_model(run.info.run_id, cfg.run_name or "grpo", "adapter"))
             tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
 

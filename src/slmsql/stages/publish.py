@@ -34,6 +34,7 @@ from ..configs import PublishConfig
 from ..data import write_json
 from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
+from ..lineage import MODEL_TAG
 from ..outputs import Staged, link_or_copy
 from ..registry import register, registry_name
 
@@ -222,7 +223,8 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
         adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
         shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
         base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
-        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir)
+        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir,
+                                    into=runs.grpo.data.tags.get(MODEL_TAG))
     result.update(text2sql_model=model_uri)
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:

@@ -1,0 +1,50 @@
+"""A trained policy's LoggedModel (lineage.py): made when its run starts, finalized with the run's end through
+the outbox (so an outage loses it no more than the run's metrics), found again by the evaluation of its files."""
+
+import mlflow
+import pytest
+
+from slmsql import durable, lineage
+
+
+def _training_run(stage="grpo"):
+    run = mlflow.start_run(run_name=stage)
+    mlflow.set_tag("slmsql.stage", stage)
+    mlflow.log_params({"model": "runs:/" + "a" * 32 + "/policy", "learning_rate": "1e-05"})
+    return run
+
+
+@pytest.mark.parametrize("status, final", [("FINISHED", "READY"), ("FAILED", "FAILED")])
+def test_policy_model_is_an_output_of_its_run_and_ends_with_it(tmp_path, status, final):
+    run = _training_run()
+    run_id = run.info.run_id
+    model_id = lineage.start_policy_model(run_id, "grpo", "adapter")
+    box = durable.Outbox(tmp_path / "out.outbox", wait=0)
+    box.start(run_id, background=False)
+    box.track_model(model_id)
+    box.end_run(status)
+    client = mlflow.MlflowClient()
+    assert str(client.get_logged_model(model_id).status) == "PENDING"  # the final status waits in the outbox
+    durable.sync(tmp_path / "out.outbox")
+    model = client.get_logged_model(model_id)
+    assert str(model.status) == final and model.name == "grpo" and model.source_run_id == run_id
+    assert model.tags[lineage.FILES_TAG] == f"runs:/{run_id}/adapter"  # a reference, no copy of the weights
+    assert model.params == {"model": "runs:/" + "a" * 32 + "/policy", "learning_rate": "1e-05"}
+    got = client.get_run(run_id)
+    assert got.data.tags[lineage.MODEL_TAG] == model_id
+    assert [o.model_id for o in got.outputs.model_outputs] == [model_id]
+    # a resumed run keeps the model it started with
+    assert lineage.start_policy_model(run_id, "grpo", "adapter") == model_id
+    assert len(client.search_logged_models([got.info.experiment_id])) == 1
+
+
+def test_an_evaluation_finds_the_model_of_the_run_that_trained_its_policy(tmp_path):
+    with _training_run("sft") as sft:
+        model_id = lineage.start_policy_model(sft.info.run_id, "sft", "policy")
+    sft_id = sft.info.run_id
+    local = tmp_path / "out" / "from-runs" / sft_id / "policy"  # the fetched copy an evaluation loads
+    assert lineage.model_of("base-model", f"runs:/{sft_id}/policy") == model_id
+    assert lineage.model_of(str(local)) == model_id
+    assert lineage.model_of("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # no run trained it
+    assert lineage.trained_by(str(local), f"runs:/{'b' * 32}/adapter") == "b" * 32  # the adapter is the policy
+    assert lineage.model_of(f"runs:/{'c' * 32}/policy") is None  # no such run in this store
