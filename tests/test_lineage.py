@@ -48,3 +48,21 @@ def test_an_evaluation_finds_the_model_of_the_run_that_trained_its_policy(tmp_pa
     assert lineage.model_of("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # no run trained it
     assert lineage.trained_by(str(local), f"runs:/{'b' * 32}/adapter") == "b" * 32  # the adapter is the policy
     assert lineage.model_of(f"runs:/{'c' * 32}/policy") is None  # no such run in this store
+
+
+def test_descriptions_link_related_runs_once_however_often_linked():
+    from slmsql import descriptions, tracking
+
+    with mlflow.start_run(run_name="grpo") as grpo:
+        tracking.describe("GRPO, 3 steps.")
+    evals = []
+    for name in ("eval-grpo-dev", "eval-grpo-dev_cross"):
+        with mlflow.start_run(run_name=name) as r:
+            evals.append(r)
+    client = mlflow.MlflowClient()
+    for _ in range(2):  # a reused run is linked again: replaced, not appended
+        descriptions.link_runs(client.get_run(grpo.info.run_id), {"Evaluations:": evals, "Nothing:": []})
+    exp = grpo.info.experiment_id
+    assert client.get_run(grpo.info.run_id).data.tags[tracking.NOTE] == (
+        f"GRPO, 3 steps.\n\nRelated runs: Evaluations: [eval-grpo-dev](#/experiments/{exp}/runs/{evals[0].info.run_id}),"
+        f" [eval-grpo-dev_cross](#/experiments/{exp}/runs/{evals[1].info.run_id}).")

@@ -87,9 +87,11 @@ def test_evaluation_descriptions_state_the_result(paired):
     note = best.data.tags[tracking.NOTE]
     assert note.startswith("EX 100.0% (95% Wilson interval 72.2% to 100.0%)")  # 10 of 10: [0.7225, 1]
     # 6 questions only the oracle got right, none only the baseline: exact McNemar p = 2 / 2**6 = 0.03125
-    assert "\nvs examples: 40.0% → 100.0%, +60.0 points (95% interval " in note
+    # the baseline named by a link to its run page, the one Markdown link in the text
+    link = f"[examples](#/experiments/{base.info.experiment_id}/runs/{base.info.run_id})"
+    assert f"\nvs {link}: 40.0% → 100.0%, +60.0 points (95% interval " in note
     assert "McNemar p = 0.03: improved at α = 0.05. 6 questions only this run got right, 0 only the baseline." in note
-    assert not re.search(r"\]\s*\(", note)  # Markdown would render "[a, b] (c)" as a link
+    assert not re.search(r"\]\s*\(", note.replace(link, ""))  # Markdown would render "[a, b] (c)" as a link
 
 
 def test_experiment_has_a_description(paired):

@@ -128,6 +128,15 @@ def param_value(value) -> str:
     return f"runs:/{m[1]}/{m[2] or ''}".rstrip("/") if m else text
 
 
+def portable(value) -> str:
+    """A model or folder as a tag names it, the same on every machine: a fetched run artifact as its run URI
+    (`param_value`), a path inside the working folder relative to it; anything else (a Hub id) as given."""
+    text = param_value(value)
+    if text and os.path.isabs(text) and Path(text).is_relative_to(Path.cwd()):
+        return str(Path(text).relative_to(Path.cwd()))
+    return text
+
+
 def fetch(uri: str, root) -> str:
     """The local copy of a run artifact `runs:/<id>/<path>` under `artifact_cache(root, id)`, downloaded once
     (into a temporary folder, then moved into place: an interrupted download is never taken for a copy; a lock

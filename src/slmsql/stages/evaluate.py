@@ -72,7 +72,8 @@ def main(cfg: EvaluateConfig) -> dict:
             new_tokens=cfg.max_new_tokens)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
-            "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": tracking.param_value(cfg.adapter or "")}
+            "slmsql.model": tracking.portable(cfg.model) or "predictions-file",
+            "slmsql.adapter": tracking.portable(cfg.adapter or "")}
     with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},
                                 tags=tags) as run:
         work_dir = st.work
@@ -104,7 +105,9 @@ def main(cfg: EvaluateConfig) -> dict:
         mlflow.log_metrics(tracking.numeric(metrics), model_id=lineage.model_of(cfg.model, cfg.adapter), dataset=data)
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
-        tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))
+        tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison,
+                                                       descriptions.run_link(baseline_run) if baseline_run else "",
+                                                       cfg.alpha))
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
                  100 * metrics["ex_ci_low"], 100 * metrics["ex_ci_high"], metrics["n"], dataset, cfg.match)
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):

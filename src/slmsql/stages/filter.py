@@ -50,7 +50,7 @@ def main(cfg: FilterConfig) -> dict:
     policy = engines.check(work, generating=True, examples=examples)
 
     # sample and score on the engine; every finished row goes to disk at once (resume)
-    tags = {"slmsql.model": cfg.model, "slmsql.adapter": tracking.param_value(cfg.adapter)}
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.adapter": tracking.portable(cfg.adapter)}
     with st, tracking.stage_run("filter", cfg, {**engines.run_params(work), **promptcheck.params(prompt)}, tags=tags,
                                 run_id=st.run_id,
                                 system_metrics=True) as run:

@@ -71,8 +71,10 @@ def main(cfg: GRPOStageConfig) -> dict:
     args = training.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
         gradient_checkpointing=False)
-    tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": tracking.param_value(cfg.base_adapter),
-            "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else "none"}
+    # adapter_mode only means something with a base adapter: no tag (the card reads "none") rather than one
+    # that contradicts the param (its default)
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter),
+            "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else ""}
 
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # adapter is in its final folder (it exits last)
