@@ -335,3 +335,20 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
         assert f"vs {link(children[f'eval-sft-{split}'])}: " in note(grpo_eval)
         assert link(children[f"eval-grpo-{other}"]) in note(grpo_eval) and link(grpo) in note(grpo_eval)
         assert link(grpo_eval) in note(grpo) and link(children[f"eval-sft-{split}"]) in note(sft)
+
+
+@pytest.mark.slow
+def test_the_view_pins_the_headline_and_every_pair_states_its_verdict(lifecycle):
+    """The link the pipeline prints opens slmsql's view with the pipeline run pinned first, carrying every eval
+    set's GRPO-vs-SFT result, each the result tag of that set's GRPO evaluation."""
+    from slmsql import tracking
+
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    client, exp, parent, c = _runs(uri)
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    assert view["runsPinned"] == [parent.info.run_id]
+    assert parent.data.tags[tracking.RESULT] == "; ".join(
+        f"{split} GRPO vs SFT: {c[f'eval-grpo-{split}'].data.tags[tracking.RESULT]}" for split in ("dev", "dev_cross"))
+    assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
+    assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too

@@ -23,6 +23,7 @@ from slmsql.stages import evaluate
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples"
 RUN_ID = "0123456789abcdef0123456789abcdef"
+PRINTED: dict[str, str] = {}  # run name -> what `slmsql evaluate` printed
 
 
 def _eval(tmp: Path, name: str, *args: str) -> object:
@@ -38,6 +39,7 @@ def _eval(tmp: Path, name: str, *args: str) -> object:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     assert result.exit_code == 0, result.output
+    PRINTED[name] = result.output
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
                                 f"attributes.run_name = '{name}'")
@@ -92,6 +94,24 @@ def test_evaluation_descriptions_state_the_result(paired):
     assert f"\nvs {link}: 40.0% → 100.0%, +60.0 points (95% interval " in note
     assert "McNemar p = 0.03: improved at α = 0.05. 6 questions only this run got right, 0 only the baseline." in note
     assert not re.search(r"\]\s*\(", note.replace(link, ""))  # Markdown would render "[a, b] (c)" as a link
+
+
+def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paired):
+    """The runs table's view groups by eval set and shows each evaluation's result tag, formatted as
+    wording.result says; `slmsql evaluate` prints it and the link that opens the view."""
+    from slmsql import wording
+
+    metrics = json.loads(Path(mlflow.MlflowClient(paired.uri).download_artifacts(
+        paired.best.info.run_id, "metrics.json", str(Path(paired.fetched).parent.parent / "m"))).read_text())
+    result = paired.best.data.tags[tracking.RESULT]
+    assert result == wording.result(metrics["comparison"]) and result.startswith("100.0% vs 40.0%, +60.0 pts [")
+    assert paired.base.data.tags[tracking.RESULT] == "40.0% [16.8%, 68.7%]"
+    link = tracking.ui_link(paired.exp.experiment_id)
+    assert PRINTED["oracle"].endswith(f"oracle: {result}\nMLflow UI: {link}\n")
+    view = json.loads(paired.exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "slmsql.dataset"}]
+    assert f"tags.`{tracking.RESULT}`" in view["selectedColumns"]
+    assert not [c for c in view["selectedColumns"] if c.startswith(("metrics.`ex", "metrics.`vs_baseline"))]
 
 
 def test_experiment_has_a_description(paired):

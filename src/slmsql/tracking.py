@@ -365,18 +365,31 @@ def describe(text: str, run_id: str | None = None) -> str:
 # conventions, not API: a UI that ignores them shows its defaults, nothing breaks.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 VIEW_KEY = "slmsql"
-VIEW_COLUMNS = ("attributes.`Dataset`", "tags.`slmsql.stage`", "tags.`slmsql.verdict`", "metrics.`ex`",
-                "metrics.`vs_baseline/diff`", "metrics.`vs_baseline/p`", "metrics.`band`",
+RESULT = "slmsql.result"  # an evaluation's result in one cell (wording.result); the pipeline's headline
+VIEW_COLUMNS = ("tags.`slmsql.stage`", f"tags.`{RESULT}`", "metrics.`band`",
                 "metrics.`summary/exec/frac_groups_correctness_varies`", "metrics.`summary/frac_reward_zero_std`")
 
 
-def runs_view() -> dict:
-    """slmsql's runs-table view: runs grouped by stage (a pipeline's steps are shown, not folded under it),
-    with the columns that state each stage's result."""
+def runs_view(pinned: list[str] | None = None) -> dict:
+    """slmsql's runs-table view: runs grouped by eval set (tag `slmsql.dataset`: each SFT/GRPO pair side by side,
+    the runs without one in the UI's remaining group), with each run's result as a formatted tag and the training
+    runs' signal metrics. No evaluation metric column: a group row would average SFT and GRPO into a number that
+    means nothing. `pinned`: runs shown first (the pipeline's, with its headline)."""
     return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL",
-            "columnWidths": {"tags.`slmsql.verdict`": 190},
-            "groupBy": {"aggregateFunction": "average",
-                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.stage"}]}}
+            "columnWidths": {f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90}, "runsPinned": list(pinned or []),
+            "groupBy": {"aggregateFunction": "max",
+                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.dataset"}]}}
+
+
+def pin_view(experiment_id: str, run_id: str) -> None:
+    """slmsql's view, with `run_id` (a pipeline run) pinned on top: the view `ui_link` opens is slmsql's own
+    (a user's views are saved under their own names), so the latest pipeline's headline comes first."""
+    import json
+
+    import mlflow
+
+    mlflow.MlflowClient().set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
+                                             json.dumps(runs_view([run_id])))
 
 
 def describe_experiment(experiment_id: str) -> None:

@@ -46,7 +46,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, lineage, tracking, vocabulary
+    from .. import descriptions, lineage, tracking, vocabulary, wording
 
     examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
@@ -104,6 +104,8 @@ def main(cfg: EvaluateConfig) -> dict:
         # EX is a metric of the evaluated policy's LoggedModel on this eval set (the experiment's Models tab)
         mlflow.log_metrics(tracking.numeric(metrics), model_id=lineage.model_of(cfg.model, cfg.adapter), dataset=data)
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
+        result = wording.result(comparison) if comparison else wording.ex_result(metrics)
+        mlflow.set_tag(tracking.RESULT, result)
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
         tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison,
                                                        descriptions.run_link(baseline_run) if baseline_run else "",
@@ -117,4 +119,5 @@ def main(cfg: EvaluateConfig) -> dict:
         if baseline is not None:  # the questions behind McNemar's test: only one side got them right
             mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),
                              "disagreements_table.json")
+    print(f"{run.info.run_name}: {result}\nMLflow UI: {tracking.ui_link(run.info.experiment_id)}", flush=True)
     return metrics
