@@ -172,13 +172,15 @@ def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypa
 
 def test_evaluation_table_reads_as_questions_and_sql(paired):
     table = paired.tables[("examples", "results_table.json")]
-    assert table["columns"] == ["id", "db_id", "difficulty", "question", "gold_sql", "predicted_sql", "status",
-                                "correct", "error"]
+    assert table["columns"] == ["id", "db_id", "difficulty", "question", "gold_sql", "predicted_sql", "completion",
+                                "status", "correct", "error"]
     by_id = {r["id"]: r for r in rows(table)}
     assert by_id["q1"]["question"] == "How many customers are there?" and by_id["q1"]["correct"] is True
     assert by_id["q3"]["status"] == "wrong_result" and "'home'" in by_id["q3"]["predicted_sql"]
     assert (by_id["q5"]["status"], by_id["q6"]["status"], by_id["q10"]["status"]) == ("error", "no_sql", "missing")
     assert by_id["q2"]["predicted_sql"] == "SELECT name FROM customer WHERE city = 'Berlin'"  # extracted from prose
+    assert by_id["q2"]["completion"] == (  # beside it, the raw text it came from
+        "The customers in Berlin:\n```sql\nSELECT name FROM customer WHERE city = 'Berlin';\n```")
     assert "ok" not in {r["status"] for r in by_id.values()}
 
 
@@ -191,6 +193,24 @@ def test_disagreements_table_lists_the_discordant_questions(paired):
     assert {r["id"] for r in got} == {i for i, r in base.items() if not r["correct"]}  # the oracle is never wrong
     assert {r["right"] for r in got} == {"oracle"}  # named by run name
     assert {r["id"]: r["baseline_status"] for r in got} == {i: base[i]["status"] for i in base if not base[i]["correct"]}
+
+
+def test_sql_report_puts_the_disagreements_first_with_every_sql_in_a_code_block(paired):
+    base = {r["id"]: r for r in rows(paired.tables[("examples", "results_table.json")])}
+    best = {r["id"]: r for r in rows(paired.tables[("oracle", "results_table.json")])}
+    path = mlflow.MlflowClient(paired.uri).download_artifacts(paired.best.info.run_id, "sql_side_by_side.md",
+                                                                str(Path(paired.fetched).parent.parent / "md"))
+    text = Path(path).read_text()
+    sections = text.split("\n## ")[1:]
+    wrong = [i for i in base if not base[i]["correct"]]
+    assert sections[0].startswith(f"Only one run right ({len(wrong)})") and sections[1].startswith("Both right (")
+    first = sections[0].split("\n### ")[1:]
+    assert [q.split(" ")[0] for q in first] == [i for i in best if i in wrong]  # in the eval set's order
+    q = first[0]
+    i = q.split(" ")[0]
+    assert q.startswith(f"{i} — right: oracle\n") and best[i]["question"] in q
+    assert q.count("```sql\n") == 2 + bool(base[i]["predicted_sql"])  # gold, this run's, the baseline's
+    assert f"```sql\n{best[i]['gold_sql'].strip()}\n```" in q and "examples (" in q
 
 
 def test_completions_table_is_readable():

@@ -115,9 +115,10 @@ def main(cfg: EvaluateConfig) -> dict:
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):
             if (work_dir / name).exists():
                 mlflow.log_artifact(str(work_dir / name))
-        mlflow.log_table(tables.evaluation_table(examples, results), "results_table.json")
+        mlflow.log_table(tables.evaluation_table(examples, results, preds), "results_table.json")
         if baseline is not None:  # the questions behind McNemar's test: only one side got them right
             mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),
                              "disagreements_table.json")
+            mlflow.log_text(tables.sql_report(examples, results, baseline, *names), "sql_side_by_side.md")
     print(f"{run.info.run_name}: {result}\nMLflow UI: {tracking.ui_link(run.info.experiment_id)}", flush=True)
     return metrics
