@@ -66,3 +66,26 @@ def test_descriptions_link_related_runs_once_however_often_linked():
     assert client.get_run(grpo.info.run_id).data.tags[tracking.NOTE] == (
         f"GRPO, 3 steps.\n\nRelated runs: Evaluations: [eval-grpo-dev](#/experiments/{exp}/runs/{evals[0].info.run_id}),"
         f" [eval-grpo-dev_cross](#/experiments/{exp}/runs/{evals[1].info.run_id}).")
+
+
+def test_training_charts_start_with_the_signal_and_constant_clip_ratios_wait():
+    """The learning signal is also logged under a name that sorts first (the UI orders chart sections by name);
+    a clip ratio is held back while it keeps its first value, and logged from its first step once it moves."""
+    from slmsql import vocabulary
+    from slmsql.training import StepMetrics
+
+    steps = StepMetrics()
+    logs = lambda clip, reward: {"reward": reward, "reward_std": 0.5, "clip_ratio/low_mean": clip,  # noqa: E731
+                                 "exec/frac_groups_correctness_varies": 1.0, "frac_reward_zero_std": 0.0, "loss": 1}
+    first = steps.points(logs(0.0, 0.2), 1)
+    assert first == [(1, {"reward": 0.2, "0_signal/reward": 0.2, "reward_std": 0.5, "0_signal/reward_std": 0.5,
+                          "exec/frac_groups_correctness_varies": 1.0,
+                          "0_signal/exec/frac_groups_correctness_varies": 1.0, "frac_reward_zero_std": 0.0,
+                          "0_signal/frac_reward_zero_std": 0.0, "loss": 1.0})]
+    assert sorted(first[0][1])[:4] == [f"0_signal/{k}" for k in sorted(vocabulary.SIGNAL)]
+    assert "clip_ratio/low_mean" not in steps.points(logs(0.0, 0.3), 2)[0][1]  # still 0: held
+    moved = steps.points(logs(0.1, 0.3), 3)
+    clip = [(s, m["clip_ratio/low_mean"]) for s, m in moved if "clip_ratio/low_mean" in m]
+    assert clip == [(1, 0.0), (2, 0.0), (3, 0.1)]
+    assert steps.points(logs(0.1, 0.3), 4)[0][1]["clip_ratio/low_mean"] == 0.1  # moving: logged every step
+    assert all(vocabulary.documented(k, "grpo") for _, m in moved for k in m)

@@ -332,7 +332,8 @@ def base_context(runs: Runs, cfg) -> dict:
     base, sft = runs.base, runs.base.sft
     start = sft.data.params.get("model", "") if sft else ""
     return {"model_name": cfg.base_repo.split("/")[1], "repo_id": cfg.base_repo, "adapter_repo": cfg.repo_id,
-            "path": portable(base.path), "grpo_run": runs.grpo.info.run_id, "sft": sft, "p": sft.data.params if sft else {},
+            "path": portable(base.path), "grpo_run": runs.grpo.info.run_id, "sft": sft,
+            "p": sft.data.params if sft else {},
             "kind": sft.data.tags.get("slmsql.policy_kind", "") if sft else "",
             "steps": sft.data.metrics.get("steps") if sft else None,
             "train_loss": sft.data.metrics.get("train_loss") if sft else None,

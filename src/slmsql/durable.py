@@ -5,9 +5,9 @@ nothing it measured, and training never waits for it.
 Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's final
 status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
 `<folder>/files/`, before anything is sent. A thread sends the records in order, noting in `<folder>/sent` how
-many went through; while the server does not answer it retries with backoff and the records wait on disk. When the stage ends it waits
-up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it cannot, the records stay for
-`slmsql sync-tracking <folder>`.
+many went through; while the server does not answer it retries with backoff and the records wait on disk.
+When the stage ends it waits up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it
+cannot, the records stay for `slmsql sync-tracking <folder>`.
 
 Once: a record whose answer was lost (stored by the server, timed out here) is sent again, so every record is
 idempotent at the server: metrics go with their original step and timestamp (the store keeps one point per

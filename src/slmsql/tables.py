@@ -67,7 +67,8 @@ def evaluation_table(examples, results: list[dict], preds: dict | None = None):
     by_id, preds = {e.id: e for e in examples}, preds or {}
     rows = [{"id": r["id"], "db_id": r["db_id"], "difficulty": r.get("difficulty"),
              "question": by_id[r["id"]].question, "gold_sql": by_id[r["id"]].sql, "predicted_sql": r["pred_sql"],
-             "completion": (preds.get(r["id"]) or {}).get("completion"), "status": outcome_name(r["correct"], r["status"]), "correct": bool(r["correct"]), "error": r["error"]}
+             "completion": (preds.get(r["id"]) or {}).get("completion"),
+             "status": outcome_name(r["correct"], r["status"]), "correct": bool(r["correct"]), "error": r["error"]}
             for r in results]
     return pd.DataFrame(safe_text(rows))
 

@@ -58,8 +58,8 @@ def main(cfg: SFTStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # policy is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags={"slmsql.model": tracking.portable(cfg.model),
-                                                          "slmsql.base_adapter": tracking.portable(cfg.base_adapter)},
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter)}
+    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags=tags,
                                         system_metrics=True, outbox=outbox) as run:
         # data
         train = Dataset.from_list([rows[j] for j in keep])
