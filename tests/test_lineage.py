@@ -89,3 +89,28 @@ def test_training_charts_start_with_the_signal_and_constant_clip_ratios_wait():
     assert clip == [(1, 0.0), (2, 0.0), (3, 0.1)]
     assert steps.points(logs(0.1, 0.3), 4)[0][1]["clip_ratio/low_mean"] == 0.1  # moving: logged every step
     assert all(vocabulary.documented(k, "grpo") for _, m in moved for k in m)
+
+
+def test_text2sql_is_logged_into_the_grpo_policys_model(tmp_path):
+    """publish's servable model goes into the LoggedModel the GRPO run made (an output of that run already), so
+    run -> logged model -> registered version is one line; a second, different one gets a model of its own."""
+    from slmsql import text2sql
+
+    with _training_run("grpo") as grpo:
+        policy = lineage.start_policy_model(grpo.info.run_id, "grpo", "adapter")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    config = {"base_model": "org/base", "grpo_run": grpo.info.run_id}
+    with mlflow.start_run(run_name="publish"):
+        uri, reused = text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c1"}, into=policy)
+        assert (uri, reused) == (f"models:/{policy}", False)
+        assert text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c1"}, into=policy) == (uri, True)
+        other, _ = text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c2"}, into=policy)
+    assert other != uri
+    model = mlflow.get_logged_model(policy)
+    assert str(model.status) == "READY" and model.source_run_id == grpo.info.run_id
+    outputs = [o.model_id for o in mlflow.get_run(grpo.info.run_id).outputs.model_outputs]
+    assert outputs.count(policy) == 1 and set(outputs) == {policy, other.removeprefix("models:/")}
+    version = mlflow.register_model(uri, "text2sql-test")
+    assert version.run_id == grpo.info.run_id and version.source == uri

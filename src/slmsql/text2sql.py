@@ -188,7 +188,10 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
     try:
         # mlflow.pyfunc.log_model, with the run to log to named (the GRPO run, not the active one). MLflow then
         # loads the saved model and answers the input example, as its scoring server would (a warning if not).
-        info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=run_id, model_id=model.model_id,
+        # Into the policy's model: no run named, as it is an output of `run_id` already (MLflow would record
+        # that twice, which its store refuses); the active run (publish) then records it as its output too.
+        info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=None if model is policy else run_id,
+                         model_id=model.model_id,
                          python_model=Text2SQL(), artifacts=artifacts, model_config=model_config,
                          signature=signature(), input_example=INPUT_EXAMPLE, pip_requirements=requirements(),
                          metadata={"task": "text-to-sql", "slmsql_version": __version__})
