@@ -78,12 +78,13 @@ def _num(value):
 
 
 def command(stage: str, params: dict) -> str:
-    """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default."""
+    """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default, but
+    those that shape no result (where it wrote, a folder of the machine that ran it, is left to the reader)."""
     cls = configs.STAGES[stage]
     defaults = cls()
     lines = [f"slmsql {stage}"]
     for f in dataclasses.fields(cls):
-        if f.name in ("overwrite", "resume", "run_name", "experiment"):
+        if f.name in ("overwrite", "resume", "run_name", "experiment", "output_dir"):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "trainer_args":
