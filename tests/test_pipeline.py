@@ -250,16 +250,12 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
     """The SFT policy and the GRPO adapter are LoggedModels of the runs that trained them, each with the EX of its
     evaluations on both eval sets, linked to that eval set's dataset; the registered text2sql version is the GRPO
     policy's model (run -> logged model -> version)."""
-    import mlflow
-
     from slmsql import lineage
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, _, c = _runs(uri)
-    mlflow.set_tracking_uri(uri)
-    models = {m.name: m for m in mlflow.search_logged_models(experiment_ids=[exp.experiment_id],
-                                                            output_format="list")}
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
     assert {"sft", "grpo"} <= set(models)
     for stage, files in (("sft", "policy"), ("grpo", "adapter")):
         model, trained = models[stage], c[stage]
@@ -272,8 +268,7 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
             evaluation = c[f"eval-{stage}-{split}"]
             [digest] = {i.dataset.digest for i in evaluation.inputs.dataset_inputs if i.dataset.name == f"toy-{split}"}
             assert ex[f"toy-{split}"] == (evaluation.data.metrics["ex"], digest, evaluation.info.run_id)
-    ranked = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
-                                         datasets=[{"dataset_name": "toy-dev"}],
+    ranked = client.search_logged_models([exp.experiment_id], datasets=[{"dataset_name": "toy-dev"}],
                                          order_by=[{"field_name": "metrics.ex", "dataset_name": "toy-dev"}])
     assert {m.name for m in ranked} >= {"sft", "grpo"}
     version = client.get_model_version_by_alias("toy-grpo", "candidate")
@@ -285,8 +280,6 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
     """What a run records names runs (runs:/, models:/), Hub ids or project-relative paths, never the folder on
     this machine it wrote to or read from. The one exception: the `output_dir` params, the location the user gave
     (outside the project here, so absolute; inside it, as in `make demo`, relative)."""
-    import mlflow
-
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, children = _runs(uri)
@@ -314,7 +307,7 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
         for i in r.inputs.dataset_inputs:
             scan(f"{name} dataset {i.dataset.name}", i.dataset.source)
         artifacts(r.info.run_id)
-    for m in mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list"):
+    for m in client.search_logged_models([exp.experiment_id]):
         scan(f"model {m.name} tags", m.tags)
         scan(f"model {m.name} params", {k: v for k, v in m.params.items() if k != "output_dir"})
     for v in client.search_model_versions():

@@ -315,10 +315,11 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def log_dataset(rows: list[dict], name: str, source, context: str):
+def log_dataset(rows: list[dict], name: str, source, context: str, uri: str | None = None):
     """Log `rows` as an MLflow dataset input of the active run, and return it (metrics name it: `dataset=`).
     `name` is what the data is (`sft`, `rl`, the eval set's name): one name per dataset, whichever run logs it.
-    Its source is the file, or the run URI it was fetched from (`param_value`)."""
+    Its source is the file, or the run URI it was fetched from (`param_value`), or `uri` (a run artifact it is
+    logged as: the store keeps one source per dataset, which every run that logs it shows)."""
     import warnings
 
     import mlflow
@@ -330,7 +331,7 @@ def log_dataset(rows: list[dict], name: str, source, context: str):
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": two local-file resolvers
         warnings.simplefilter("ignore")
         src = resolve_dataset_source(str(source))
-    uri = param_value(source)
+    uri = uri or param_value(source)
     if uri != str(source):
         src = type(src)(uri)
     dataset = mlflow.data.from_pandas(pd.DataFrame(safe_text(rows)), source=src, name=name)
