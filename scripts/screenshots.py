@@ -5,7 +5,7 @@
 
 Starts a real `mlflow server` on loopback on a copy of the store (the demo's own store is not touched),
 opens the MLflow UI in headless Chromium (`apt-get install chromium` on Debian) and saves:
-  runs-table.png     the experiment's runs table as `ui_link` opens it (grouped by stage, slmsql's columns)
+  runs-table.png     the experiment's runs table as `ui_link` opens it (grouped by eval set, slmsql's columns)
   pipeline-run.png   the pipeline run's overview: its description (the headline), metrics and verdict tags
   eval-run.png       the paired GRPO evaluation on dev: its table of the questions only one side got right
 The UI is a JavaScript app: Chromium is given a virtual-time budget to render it. Each image is cropped to
@@ -71,7 +71,7 @@ def main() -> None:
                         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
             # this copy of the store shows the current view, whatever view the demo run saved
             client.set_experiment_tag(exp.experiment_id, f"mlflow.sharedViewState.{tracking.VIEW_KEY}",
-                                      json.dumps(tracking.runs_view()))
+                                      json.dumps(tracking.runs_view([parent.info.run_id])))
             base = f"{uri}/#/experiments/{exp.experiment_id}"
             mode = "workflowType=machine_learning"
             paired = children["eval-grpo-dev"].info.run_id

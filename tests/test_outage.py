@@ -248,10 +248,13 @@ def test_server_still_away_at_the_end_then_sync_sends_the_rest(policy, server, t
         server.start()
         run_id = only_run(client).info.run_id
         assert client.get_run(run_id).info.status == "RUNNING"
+        [model] = client.search_logged_models([only_run(client).info.experiment_id])
+        assert str(model.status) == "PENDING"  # the policy's LoggedModel: its end waits in the outbox too
         synced = CliRunner().invoke(cli, ["sync-tracking", str(folder)])
         assert synced.exit_code == 0, synced.output
     assert not folder.exists()
     assert_complete_sft_run(client, run_id, 6)
+    assert str(client.get_logged_model(model.model_id).status) == "READY"
 
 
 @pytest.mark.slow
@@ -281,3 +284,5 @@ def test_grpo_keeps_training_through_a_server_restart(policy, server, tmp_path, 
                               .read_text())["data"]) == 8
     assert "training_curves.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
     assert not durable.folder_for(cfg.output_dir).exists()
+    [model] = client.search_logged_models([run.info.experiment_id])  # made while the server was up, finalized after
+    assert str(model.status) == "READY" and model.source_run_id == run.info.run_id and model.name == "grpo"

@@ -146,7 +146,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
                 in note)
         assert f"): {tags[f'slmsql.verdict.{split}']}." in note
         assert sft_eval.data.tags[tracking.NOTE].startswith(f"EX {100 * sft_eval.data.metrics['ex']:.1f}%")
-        assert f"vs eval-sft-{split}: " in grpo_eval.data.tags[tracking.NOTE]
+        assert f"vs [eval-sft-{split}](#/experiments/" in grpo_eval.data.tags[tracking.NOTE]
     assert m["filter/band"] == children["filter"].data.metrics["band"]
     assert f"Filter: {m['filter/band']:.0f} band questions of {m['filter/n_source']:.0f}" in note
 
@@ -243,3 +243,105 @@ def test_pushed_to_the_hub_and_registered(lifecycle, monkeypatch, tmp_path):
         assert token.encode() not in (r["path"] + "?" + r["query"]).encode() + r["body"]
     for path in root.rglob("*"):
         assert not path.is_file() or token.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
+    """The SFT policy and the GRPO adapter are LoggedModels of the runs that trained them, each with the EX of its
+    evaluations on both eval sets, linked to that eval set's dataset; the registered text2sql version is the GRPO
+    policy's model (run -> logged model -> version)."""
+    from slmsql import lineage
+
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    client, exp, _, c = _runs(uri)
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
+    assert {"sft", "grpo"} <= set(models)
+    for stage, files in (("sft", "policy"), ("grpo", "adapter")):
+        model, trained = models[stage], c[stage]
+        assert model.source_run_id == trained.info.run_id and str(model.status) == "READY"
+        assert trained.data.tags[lineage.MODEL_TAG] == model.model_id
+        assert model.tags[lineage.FILES_TAG] == f"runs:/{trained.info.run_id}/{files}"
+        ex = {m.dataset_name: (m.value, m.dataset_digest, m.run_id) for m in model.metrics if m.key == "ex"}
+        assert set(ex) == {"toy-dev", "toy-dev_cross"}
+        for split in ("dev", "dev_cross"):
+            evaluation = c[f"eval-{stage}-{split}"]
+            [digest] = {i.dataset.digest for i in evaluation.inputs.dataset_inputs if i.dataset.name == f"toy-{split}"}
+            assert ex[f"toy-{split}"] == (evaluation.data.metrics["ex"], digest, evaluation.info.run_id)
+    ranked = client.search_logged_models([exp.experiment_id], datasets=[{"dataset_name": "toy-dev"}],
+                                         order_by=[{"field_name": "metrics.ex", "dataset_name": "toy-dev"}])
+    assert {m.name for m in ranked} >= {"sft", "grpo"}
+    version = client.get_model_version_by_alias("toy-grpo", "candidate")
+    assert version.source == f"models:/{models['grpo'].model_id}"
+
+
+@pytest.mark.slow
+def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lifecycle):
+    """What a run records names runs (runs:/, models:/), Hub ids or project-relative paths, never the folder on
+    this machine it wrote to or read from. The one exception: the `output_dir` params, the location the user gave
+    (outside the project here, so absolute; inside it, as in `make demo`, relative)."""
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    client, exp, parent, children = _runs(uri)
+    machine = (str(root.resolve()), str(root))  # the tmp root holds the output folder, the store, the Hub cache
+    found = []
+
+    def scan(where, text):
+        if any(m in str(text) for m in machine):
+            found.append((where, str(text)[:200]))
+
+    def artifacts(run_id, path=None):
+        for f in client.list_artifacts(run_id, path):
+            scan(f"artifact of {run_id}", f.path)
+            if f.is_dir:
+                artifacts(run_id, f.path)
+
+    scan("experiment tags", exp.tags)
+    for r in [parent, *children.values()]:
+        name = r.info.run_name
+        for k, v in r.data.params.items():
+            if k != "output_dir":
+                scan(f"{name} param {k}", v)
+        for k, v in r.data.tags.items():  # descriptions (mlflow.note.content) included
+            scan(f"{name} tag {k}", v)
+        for i in r.inputs.dataset_inputs:
+            scan(f"{name} dataset {i.dataset.name}", i.dataset.source)
+        artifacts(r.info.run_id)
+    for m in client.search_logged_models([exp.experiment_id]):
+        scan(f"model {m.name} tags", m.tags)
+        scan(f"model {m.name} params", {k: v for k, v in m.params.items() if k != "output_dir"})
+    for v in client.search_model_versions():
+        scan(f"version {v.name}/{v.version}", [v.tags, v.source, v.description])
+    for card in (root / "out" / "publish" / "README.md", root / "out" / "publish" / "base" / "README.md"):
+        scan(card.name, card.read_text())
+    assert found == []
+    # the card names its base by the run that trained it, and the GRPO run's adapter mode agrees with its params
+    sft, grpo = children["sft"], children["grpo"]
+    assert grpo.data.tags["slmsql.model"] == f"runs:/{sft.info.run_id}/policy" == grpo.data.params["model"]
+    assert "slmsql.adapter_mode" not in grpo.data.tags and "slmsql.base_adapter" not in grpo.data.tags
+    assert f"runs:/{sft.info.run_id}/policy" in (root / "out" / "publish" / "base" / "README.md").read_text()
+    # descriptions link the baseline, the GRPO run's evaluations and each evaluation's sibling
+    link = lambda r: f"[{r.info.run_name}](#/experiments/{exp.experiment_id}/runs/{r.info.run_id})"  # noqa: E731
+    note = lambda r: r.data.tags["mlflow.note.content"]  # noqa: E731
+    for split, other in (("dev", "dev_cross"), ("dev_cross", "dev")):
+        grpo_eval = children[f"eval-grpo-{split}"]
+        assert f"vs {link(children[f'eval-sft-{split}'])}: " in note(grpo_eval)
+        assert link(children[f"eval-grpo-{other}"]) in note(grpo_eval) and link(grpo) in note(grpo_eval)
+        assert link(grpo_eval) in note(grpo) and link(children[f"eval-sft-{split}"]) in note(sft)
+
+
+@pytest.mark.slow
+def test_the_view_pins_the_headline_and_every_pair_states_its_verdict(lifecycle):
+    """The link the pipeline prints opens slmsql's view with the pipeline run pinned first, carrying every eval
+    set's GRPO-vs-SFT result, each the result tag of that set's GRPO evaluation."""
+    from slmsql import tracking
+
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    client, exp, parent, c = _runs(uri)
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    assert view["runsPinned"] == [parent.info.run_id]
+    assert parent.data.tags[tracking.RESULT] == "; ".join(
+        f"{split} GRPO vs SFT: {c[f'eval-grpo-{split}'].data.tags[tracking.RESULT]}" for split in ("dev", "dev_cross"))
+    assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
+    assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too

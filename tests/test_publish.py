@@ -800,7 +800,8 @@ def test_reproduce_command_prints_only_what_differs_from_the_defaults():
     from slmsql.card import command
 
     params = {"dynamic_sampling": "false", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
-              "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1"}
+              "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1",
+              "output_dir": "/home/me/outputs/grpo"}  # where it wrote: not a machine path on the card
     lines = command("grpo", params).split(" \\\n    ")
     assert lines[0] == "slmsql grpo"
     assert sorted(lines[1:]) == ["--data 'my band.jsonl'", "--max-steps 40", "--trainer-args warmup_ratio=0.1"]

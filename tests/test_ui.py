@@ -23,6 +23,7 @@ from slmsql.stages import evaluate
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples"
 RUN_ID = "0123456789abcdef0123456789abcdef"
+PRINTED: dict[str, str] = {}  # run name -> what `slmsql evaluate` printed
 
 
 def _eval(tmp: Path, name: str, *args: str) -> object:
@@ -38,6 +39,7 @@ def _eval(tmp: Path, name: str, *args: str) -> object:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     assert result.exit_code == 0, result.output
+    PRINTED[name] = result.output
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id],
                                 f"attributes.run_name = '{name}'")
@@ -87,9 +89,29 @@ def test_evaluation_descriptions_state_the_result(paired):
     note = best.data.tags[tracking.NOTE]
     assert note.startswith("EX 100.0% (95% Wilson interval 72.2% to 100.0%)")  # 10 of 10: [0.7225, 1]
     # 6 questions only the oracle got right, none only the baseline: exact McNemar p = 2 / 2**6 = 0.03125
-    assert "\nvs examples: 40.0% → 100.0%, +60.0 points (95% interval " in note
+    # the baseline named by a link to its run page, the one Markdown link in the text
+    link = f"[examples](#/experiments/{base.info.experiment_id}/runs/{base.info.run_id})"
+    assert f"\nvs {link}: 40.0% → 100.0%, +60.0 points (95% interval " in note
     assert "McNemar p = 0.03: improved at α = 0.05. 6 questions only this run got right, 0 only the baseline." in note
-    assert not re.search(r"\]\s*\(", note)  # Markdown would render "[a, b] (c)" as a link
+    assert not re.search(r"\]\s*\(", note.replace(link, ""))  # Markdown would render "[a, b] (c)" as a link
+
+
+def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paired):
+    """The runs table's view groups by eval set and shows each evaluation's result tag, formatted as
+    wording.result says; `slmsql evaluate` prints it and the link that opens the view."""
+    from slmsql import wording
+
+    metrics = json.loads(Path(mlflow.MlflowClient(paired.uri).download_artifacts(
+        paired.best.info.run_id, "metrics.json", str(Path(paired.fetched).parent.parent / "m"))).read_text())
+    result = paired.best.data.tags[tracking.RESULT]
+    assert result == wording.result(metrics["comparison"]) and result.startswith("100.0% vs 40.0%, +60.0 pts [")
+    assert paired.base.data.tags[tracking.RESULT] == "40.0% [16.8%, 68.7%]"
+    link = tracking.ui_link(paired.exp.experiment_id)
+    assert PRINTED["oracle"].endswith(f"oracle: {result}\nMLflow UI: {link}\n")
+    view = json.loads(paired.exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "slmsql.dataset"}]
+    assert f"tags.`{tracking.RESULT}`" in view["selectedColumns"]
+    assert not [c for c in view["selectedColumns"] if c.startswith(("metrics.`ex", "metrics.`vs_baseline"))]
 
 
 def test_experiment_has_a_description(paired):
@@ -150,13 +172,15 @@ def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypa
 
 def test_evaluation_table_reads_as_questions_and_sql(paired):
     table = paired.tables[("examples", "results_table.json")]
-    assert table["columns"] == ["id", "db_id", "difficulty", "question", "gold_sql", "predicted_sql", "status",
-                                "correct", "error"]
+    assert table["columns"] == ["id", "db_id", "difficulty", "question", "gold_sql", "predicted_sql", "completion",
+                                "status", "correct", "error"]
     by_id = {r["id"]: r for r in rows(table)}
     assert by_id["q1"]["question"] == "How many customers are there?" and by_id["q1"]["correct"] is True
     assert by_id["q3"]["status"] == "wrong_result" and "'home'" in by_id["q3"]["predicted_sql"]
     assert (by_id["q5"]["status"], by_id["q6"]["status"], by_id["q10"]["status"]) == ("error", "no_sql", "missing")
     assert by_id["q2"]["predicted_sql"] == "SELECT name FROM customer WHERE city = 'Berlin'"  # extracted from prose
+    assert by_id["q2"]["completion"] == (  # beside it, the raw text it came from
+        "The customers in Berlin:\n```sql\nSELECT name FROM customer WHERE city = 'Berlin';\n```")
     assert "ok" not in {r["status"] for r in by_id.values()}
 
 
@@ -169,6 +193,24 @@ def test_disagreements_table_lists_the_discordant_questions(paired):
     assert {r["id"] for r in got} == {i for i, r in base.items() if not r["correct"]}  # the oracle is never wrong
     assert {r["right"] for r in got} == {"oracle"}  # named by run name
     assert {r["id"]: r["baseline_status"] for r in got} == {i: base[i]["status"] for i in base if not base[i]["correct"]}
+
+
+def test_sql_report_puts_the_disagreements_first_with_every_sql_in_a_code_block(paired):
+    base = {r["id"]: r for r in rows(paired.tables[("examples", "results_table.json")])}
+    best = {r["id"]: r for r in rows(paired.tables[("oracle", "results_table.json")])}
+    path = mlflow.MlflowClient(paired.uri).download_artifacts(paired.best.info.run_id, "sql_side_by_side.md",
+                                                                str(Path(paired.fetched).parent.parent / "md"))
+    text = Path(path).read_text()
+    sections = text.split("\n## ")[1:]
+    wrong = [i for i in base if not base[i]["correct"]]
+    assert sections[0].startswith(f"Only one run right ({len(wrong)})") and sections[1].startswith("Both right (")
+    first = sections[0].split("\n### ")[1:]
+    assert [q.split(" ")[0] for q in first] == [i for i in best if i in wrong]  # in the eval set's order
+    q = first[0]
+    i = q.split(" ")[0]
+    assert q.startswith(f"{i} — right: oracle\n") and best[i]["question"] in q
+    assert q.count("```sql\n") == 2 + bool(base[i]["predicted_sql"])  # gold, this run's, the baseline's
+    assert f"```sql\n{best[i]['gold_sql'].strip()}\n```" in q and "examples (" in q
 
 
 def test_completions_table_is_readable():

@@ -13,3 +13,14 @@ def test_numbers_in_words():
 def test_durations_in_words():
     assert (duration(12.4), duration(79), duration(510), duration(9720), duration(None)) == \
         ("12 s", "79 s", "8 min", "2 h 42 min", "n/a")
+
+
+def test_a_comparison_in_one_table_cell():
+    from slmsql.wording import ex_result, result
+
+    c = {"ex_a": 0.370, "ex_b": 0.395, "diff": -0.025, "diff_ci_low": -0.067, "diff_ci_high": 0.024,
+         "mcnemar_p": 0.3833103, "verdict": "no significant difference"}
+    assert result(c) == "37.0% vs 39.5%, −2.5 pts [−6.7, +2.4], p 0.38, no sig. difference"
+    assert result({**c, "diff": 0.1, "mcnemar_p": 0.0004, "verdict": "improved"}).endswith(
+        "+10.0 pts [−6.7, +2.4], p < 0.001, improved")
+    assert ex_result({"ex": 0.3695, "ex_ci_low": 0.291, "ex_ci_high": 0.452}) == "37.0% [29.1%, 45.2%]"

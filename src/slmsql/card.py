@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import configs
-from .hub import hub_id, same_model
 from .errors import SlmsqlError
+from .hub import hub_id, same_model
+from .tracking import portable
 from .wording import duration, pct, points, pts, pval
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
@@ -77,12 +78,13 @@ def _num(value):
 
 
 def command(stage: str, params: dict) -> str:
-    """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default."""
+    """The `slmsql <stage>` command that reproduces a run: every logged param that differs from its default, but
+    those that shape no result (where it wrote, a folder of the machine that ran it, is left to the reader)."""
     cls = configs.STAGES[stage]
     defaults = cls()
     lines = [f"slmsql {stage}"]
     for f in dataclasses.fields(cls):
-        if f.name in ("overwrite", "resume", "run_name", "experiment"):
+        if f.name in ("overwrite", "resume", "run_name", "experiment", "output_dir"):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "trainer_args":
@@ -331,7 +333,8 @@ def base_context(runs: Runs, cfg) -> dict:
     base, sft = runs.base, runs.base.sft
     start = sft.data.params.get("model", "") if sft else ""
     return {"model_name": cfg.base_repo.split("/")[1], "repo_id": cfg.base_repo, "adapter_repo": cfg.repo_id,
-            "path": base.path, "grpo_run": runs.grpo.info.run_id, "sft": sft, "p": sft.data.params if sft else {},
+            "path": portable(base.path), "grpo_run": runs.grpo.info.run_id, "sft": sft,
+            "p": sft.data.params if sft else {},
             "kind": sft.data.tags.get("slmsql.policy_kind", "") if sft else "",
             "steps": sft.data.metrics.get("steps") if sft else None,
             "train_loss": sft.data.metrics.get("train_loss") if sft else None,

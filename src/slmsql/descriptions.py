@@ -5,12 +5,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .tracking import describe, numeric, param_value
+from .tracking import NOTE, describe, numeric, param_value
 from .wording import duration, pct, pts, pval
+
+
+def run_link(run) -> str:
+    """A Markdown link to a run's page, relative, as the MLflow UI resolves it in a description."""
+    return f"[{run.info.run_name or run.info.run_id}](#/experiments/{run.info.experiment_id}/runs/{run.info.run_id})"
+
+
+LINKS = "\n\nRelated runs: "  # a description's last paragraph, written by `link_runs` (replaced, not appended)
+
+
+def link_runs(run, related: dict[str, list]) -> str:
+    """Set `run`'s description to its own text and a paragraph linking `related` runs ({label: [runs]}), e.g. a
+    training run's evaluations, an evaluation's siblings on the other eval sets. Idempotent: a rerun replaces it."""
+    own = run.data.tags.get(NOTE, "").split(LINKS)[0]
+    parts = [f"{label} " + ", ".join(run_link(r) for r in runs) for label, runs in related.items() if runs]
+    return describe(own + (LINKS + "; ".join(parts) + "." if parts else ""), run.info.run_id)
 
 
 def evaluation_note(metrics: dict, dataset: str, match: str, comparison: dict | None = None,
                     baseline_name: str = "", alpha: float = 0.05) -> str:
+    """`baseline_name`: how the baseline run is named (`run_link`: a link to it)."""
     # no "[a, b] (" anywhere: the UI renders descriptions as Markdown, where that reads as a link
     text = (f"EX {pct(metrics['ex'])} (95% Wilson interval {pct(metrics['ex_ci_low'])} to "
             f"{pct(metrics['ex_ci_high'])}) on {metrics['n']} questions of {dataset}, {match} match.")
@@ -120,3 +137,16 @@ def log_headline(headline: dict, verdicts: dict) -> None:
     mlflow.set_tags({"slmsql.verdict": ", ".join(f"{k}: {v}" for k, v in verdicts.items()),
                      **{f"slmsql.verdict.{k}": v for k, v in verdicts.items()}})
     describe(pipeline_note(headline, verdicts))
+
+
+def link_pipeline(parent, trained: dict[str, object], evals: dict[str, dict[str, object]]) -> None:
+    """Descriptions as links between a workflow's runs: each training run ({"sft": run, ...}) to its
+    evaluations, each evaluation to the run that trained its policy and to its siblings on the other eval sets,
+    the parent to every evaluation. `evals`: policy name -> eval set -> evaluation run."""
+    for name, by_set in evals.items():
+        if name in trained:
+            link_runs(trained[name], {"Evaluations:": list(by_set.values())})
+        for split, run in by_set.items():
+            link_runs(run, {"Policy trained by": [trained[name]] if name in trained else [],
+                            "Same policy on the other eval sets:": [r for s, r in by_set.items() if s != split]})
+    link_runs(parent, {"Evaluations:": [r for by_set in evals.values() for r in by_set.values()]})

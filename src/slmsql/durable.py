@@ -2,18 +2,18 @@
 outbox on local disk, so a tracking server that goes away (a restart, a deploy, an OOM kill) costs the run
 nothing it measured, and training never waits for it.
 
-Each record (a step's metrics with their step and time, a tag, a table, an artifact, the run's end) is
-appended to `<folder>/records.jsonl`, the files it names linked or copied under `<folder>/files/`, before
-anything is sent. A thread sends the records in order, noting in `<folder>/sent` how many went through; while
-the server does not answer it retries with backoff and the records wait on disk. When the stage ends it waits
-up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it cannot, the records stay for
-`slmsql sync-tracking <folder>`.
+Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's final
+status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
+`<folder>/files/`, before anything is sent. A thread sends the records in order, noting in `<folder>/sent` how
+many went through; while the server does not answer it retries with backoff and the records wait on disk.
+When the stage ends it waits up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it
+cannot, the records stay for `slmsql sync-tracking <folder>`.
 
 Once: a record whose answer was lost (stored by the server, timed out here) is sent again, so every record is
 idempotent at the server: metrics go with their original step and timestamp (the store keeps one point per
-key, step, timestamp and value), tags, tables and artifacts write the same value or file again, and the end
-sets the same status and end time. MLflow's own log_table appends to an existing table, so tables are
-written as files here instead.
+key, step, timestamp and value), tags, tables and artifacts write the same value or file again, a LoggedModel's
+status and the end set the same status (and end time). MLflow's own log_table appends to an existing table, so
+tables are written as files here instead.
 
 Why not MLflow's: its async logging queues metrics, params and tags in memory and drops a batch the server
 refuses (no artifacts, nothing kept on disk); its HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES) block the
@@ -76,6 +76,7 @@ class Outbox:
         self._stop = False
         self._error: Exception | None = None  # the last failure, while the server does not answer
         self._thread: threading.Thread | None = None
+        self._models: list[str] = []  # LoggedModels finalized with the run's end (track_model)
 
     def send_earlier(self) -> None:
         """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
@@ -121,8 +122,16 @@ class Outbox:
         self._append({"kind": "table", "artifact_file": artifact_file}, name=Path(artifact_file).name,
                      write=lambda p: p.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8"))
 
+    def track_model(self, model_id: str) -> None:
+        """A LoggedModel (lineage.start_policy_model) this run makes: the run's end finalizes it, READY when the
+        run finished, else FAILED, through the outbox like the rest."""
+        self._models.append(model_id)
+
     def end_run(self, status: str) -> None:
         """The run's end goes last into the outbox; here the run ends without asking the server."""
+        for model_id in self._models:  # after the files it names, before the end
+            self._append({"kind": "model", "model_id": model_id,
+                          "status": "READY" if status == "FINISHED" else "FAILED"})
         self._append({"kind": "end", "status": status, "time": int(time.time() * 1000)})
         end_locally(self.run_id)
 
@@ -280,6 +289,8 @@ def send(client, folder: Path, record: dict) -> None:
             entry = {"path": record["artifact_file"], "type": "table"}
             if entry not in tables:
                 client.set_tag(run, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables + [entry]))
+        elif kind == "model":
+            client.finalize_logged_model(record["model_id"], record["status"])
         elif kind == "end":
             client.set_terminated(run, record["status"], end_time=record["time"])
         else:

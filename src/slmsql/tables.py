@@ -7,6 +7,7 @@ Text goes through `data.safe_text` (MLflow's JSON table writer refuses what UTF-
 from __future__ import annotations
 
 import json
+import re
 
 from .data import safe_text
 from .extract import completion_text, extract_sql
@@ -57,13 +58,16 @@ def completions_table(df, questions: dict, rewards: list[str]):
     return pd.DataFrame(safe_text(rows))
 
 
-def evaluation_table(examples, results: list[dict]):
-    """One row per question: id | db_id | difficulty | question | gold_sql | predicted_sql | status | correct | error."""
+def evaluation_table(examples, results: list[dict], preds: dict | None = None):
+    """One row per question: id | db_id | difficulty | question | gold_sql | predicted_sql | completion | status |
+    correct | error. `predicted_sql` is the SQL scored (no fences); `completion` the raw model text it came from
+    (`preds`: id -> prediction; empty for a prediction given as SQL)."""
     import pandas as pd
 
-    by_id = {e.id: e for e in examples}
+    by_id, preds = {e.id: e for e in examples}, preds or {}
     rows = [{"id": r["id"], "db_id": r["db_id"], "difficulty": r.get("difficulty"),
              "question": by_id[r["id"]].question, "gold_sql": by_id[r["id"]].sql, "predicted_sql": r["pred_sql"],
+             "completion": (preds.get(r["id"]) or {}).get("completion"),
              "status": outcome_name(r["correct"], r["status"]), "correct": bool(r["correct"]), "error": r["error"]}
             for r in results]
     return pd.DataFrame(safe_text(rows))
@@ -88,3 +92,38 @@ def disagreements_table(examples, results: list[dict], baseline: dict[str, dict]
                      "baseline_sql": b.get("pred_sql"), "baseline_status": outcome_name(b["correct"], b["status"])})
     columns = ["id", "question", "right", "gold_sql", "predicted_sql", "status", "baseline_sql", "baseline_status"]
     return pd.DataFrame(safe_text(rows), columns=columns)
+
+
+def _sql_block(sql) -> str:
+    """SQL in a Markdown code block (a fence longer than any backtick run inside it); none: a plain note."""
+    if not sql:
+        return "_no SQL_\n"
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", sql)), default=0))
+    return f"{fence}sql\n{sql.strip()}\n{fence}\n"
+
+
+def sql_report(examples, results: list[dict], baseline: dict[str, dict], this_name: str, baseline_name: str) -> str:
+    """A paired evaluation as Markdown, to read the SQL side by side: every question with its gold SQL, this run's
+    and the baseline's, each in a ```sql block; the questions only one run got right (McNemar's discordant pairs)
+    first, then those both got wrong, then both right."""
+    by_id = {e.id: e for e in examples}
+
+    def order(r):
+        a, b = bool(r["correct"]), bool(baseline[r["id"]]["correct"])
+        return 0 if a != b else 1 if not a else 2
+
+    heads = ("Only one run right", "Both wrong", "Both right")
+    lines = [f"# {this_name} vs {baseline_name}: the SQL side by side\n"]
+    section = None
+    for r in sorted(results, key=order):
+        b, ex = baseline[r["id"]], by_id[r["id"]]
+        if order(r) != section:
+            section = order(r)
+            lines.append(f"## {heads[section]} ({sum(order(x) == section for x in results)})\n")
+        right = this_name if r["correct"] and not b["correct"] else baseline_name if b["correct"] and not \
+            r["correct"] else ""
+        lines += [f"### {r['id']}{f' — right: {right}' if right else ''}\n", f"{ex.question}\n",
+                  "Gold:\n", _sql_block(ex.sql),
+                  f"{this_name} ({outcome_name(r['correct'], r['status'])}):\n", _sql_block(r["pred_sql"]),
+                  f"{baseline_name} ({outcome_name(b['correct'], b['status'])}):\n", _sql_block(b.get("pred_sql"))]
+    return "\n".join(lines)

@@ -159,9 +159,12 @@ def fingerprint(model_config: dict, commits: dict) -> str:
     return hashlib.sha256(json.dumps([model_config, commits], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, base: Path | None = None):
+def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, base: Path | None = None,
+                 into: str | None = None):
     """Log the text2sql model to run `run_id`, in that run's experiment (reused when the run already holds one
-    with the same fingerprint); returns (model URI, whether it was reused)."""
+    with the same fingerprint); returns (model URI, whether it was reused). `into`: the LoggedModel of the
+    policy the run trained (lineage.py), which takes the servable model's files unless it holds a text2sql model
+    already (then a LoggedModel of its own): run -> its policy's model -> the registered version, one line."""
     import mlflow
     from mlflow.entities import LoggedModelStatus
     from mlflow.models import Model
@@ -175,18 +178,29 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
         if found.source_run_id == run_id and found.status == LoggedModelStatus.READY:
             log.info("text2sql model %s already logged to run %s", found.model_id, run_id)
             return f"models:/{found.model_id}", True
-    # created here, not by Model.log, which would file it under the active run's (publish's) experiment
-    model = client.create_logged_model(experiment, NAME, source_run_id=run_id, tags={"slmsql.fingerprint": fp})
+    policy = client.get_logged_model(into) if into else None
+    if policy is not None and policy.source_run_id == run_id and "slmsql.fingerprint" not in policy.tags:
+        model = policy
+        client.set_logged_model_tags(model.model_id, {"slmsql.fingerprint": fp})
+    else:  # created here, not by Model.log, which would file it under the active run's (publish's) experiment
+        model = client.create_logged_model(experiment, NAME, source_run_id=run_id, tags={"slmsql.fingerprint": fp})
     artifacts = {"adapter": str(adapter)} | ({"base": str(base)} if base is not None else {})
     try:
         # mlflow.pyfunc.log_model, with the run to log to named (the GRPO run, not the active one). MLflow then
         # loads the saved model and answers the input example, as its scoring server would (a warning if not).
-        info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=run_id, model_id=model.model_id,
+        # Into the policy's model: no run named, as it is an output of `run_id` already (MLflow would record
+        # that twice, which its store refuses); the active run (publish) then records it as its output too.
+        info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=None if model is policy else run_id,
+                         model_id=model.model_id,
                          python_model=Text2SQL(), artifacts=artifacts, model_config=model_config,
                          signature=signature(), input_example=INPUT_EXAMPLE, pip_requirements=requirements(),
                          metadata={"task": "text-to-sql", "slmsql_version": __version__})
     except BaseException:
-        client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+        if model is policy:  # the policy itself is fine (its files are its run's): as it was, for a retry
+            client.delete_logged_model_tag(model.model_id, "slmsql.fingerprint")
+            client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        else:
+            client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
         raise
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     return info.model_uri, False

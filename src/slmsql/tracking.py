@@ -128,6 +128,15 @@ def param_value(value) -> str:
     return f"runs:/{m[1]}/{m[2] or ''}".rstrip("/") if m else text
 
 
+def portable(value) -> str:
+    """A model or folder as a tag names it, the same on every machine: a fetched run artifact as its run URI
+    (`param_value`), a path inside the working folder relative to it; anything else (a Hub id) as given."""
+    text = param_value(value)
+    if text and os.path.isabs(text) and Path(text).is_relative_to(Path.cwd()):
+        return str(Path(text).relative_to(Path.cwd()))
+    return text
+
+
 def fetch(uri: str, root) -> str:
     """The local copy of a run artifact `runs:/<id>/<path>` under `artifact_cache(root, id)`, downloaded once
     (into a temporary folder, then moved into place: an interrupted download is never taken for a copy; a lock
@@ -306,10 +315,11 @@ def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def log_dataset(rows: list[dict], name: str, source, context: str) -> None:
-    """Log `rows` as an MLflow dataset input of the active run. `name` is what the data is (`sft`, `rl`, the
-    eval set's name): one name per dataset, whichever run logs it. Its source is the file, or the run URI it
-    was fetched from (`param_value`)."""
+def log_dataset(rows: list[dict], name: str, source, context: str, uri: str | None = None):
+    """Log `rows` as an MLflow dataset input of the active run, and return it (metrics name it: `dataset=`).
+    `name` is what the data is (`sft`, `rl`, the eval set's name): one name per dataset, whichever run logs it.
+    Its source is the file, or the run URI it was fetched from (`param_value`), or `uri` (a run artifact it is
+    logged as: the store keeps one source per dataset, which every run that logs it shows)."""
     import warnings
 
     import mlflow
@@ -321,10 +331,12 @@ def log_dataset(rows: list[dict], name: str, source, context: str) -> None:
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": two local-file resolvers
         warnings.simplefilter("ignore")
         src = resolve_dataset_source(str(source))
-    uri = param_value(source)
+    uri = uri or param_value(source)
     if uri != str(source):
         src = type(src)(uri)
-    mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame(safe_text(rows)), source=src, name=name), context=context)
+    dataset = mlflow.data.from_pandas(pd.DataFrame(safe_text(rows)), source=src, name=name)
+    mlflow.log_input(dataset, context=context)
+    return dataset
 
 
 # --- descriptions: what the run found, in words and numbers, on its overview page --------------------------
@@ -354,18 +366,31 @@ def describe(text: str, run_id: str | None = None) -> str:
 # conventions, not API: a UI that ignores them shows its defaults, nothing breaks.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 VIEW_KEY = "slmsql"
-VIEW_COLUMNS = ("attributes.`Dataset`", "tags.`slmsql.stage`", "tags.`slmsql.verdict`", "metrics.`ex`",
-                "metrics.`vs_baseline/diff`", "metrics.`vs_baseline/p`", "metrics.`band`",
+RESULT = "slmsql.result"  # an evaluation's result in one cell (wording.result); the pipeline's headline
+VIEW_COLUMNS = ("tags.`slmsql.stage`", f"tags.`{RESULT}`", "metrics.`band`",
                 "metrics.`summary/exec/frac_groups_correctness_varies`", "metrics.`summary/frac_reward_zero_std`")
 
 
-def runs_view() -> dict:
-    """slmsql's runs-table view: runs grouped by stage (a pipeline's steps are shown, not folded under it),
-    with the columns that state each stage's result."""
+def runs_view(pinned: list[str] | None = None) -> dict:
+    """slmsql's runs-table view: runs grouped by eval set (tag `slmsql.dataset`: each SFT/GRPO pair side by side,
+    the runs without one in the UI's remaining group), with each run's result as a formatted tag and the training
+    runs' signal metrics. No evaluation metric column: a group row would average SFT and GRPO into a number that
+    means nothing. `pinned`: runs shown first (the pipeline's, with its headline)."""
     return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL",
-            "columnWidths": {"tags.`slmsql.verdict`": 190},
-            "groupBy": {"aggregateFunction": "average",
-                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.stage"}]}}
+            "columnWidths": {f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90}, "runsPinned": list(pinned or []),
+            "groupBy": {"aggregateFunction": "max",
+                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.dataset"}]}}
+
+
+def pin_view(experiment_id: str, run_id: str) -> None:
+    """slmsql's view, with `run_id` (a pipeline run) pinned on top: the view `ui_link` opens is slmsql's own
+    (a user's views are saved under their own names), so the latest pipeline's headline comes first."""
+    import json
+
+    import mlflow
+
+    mlflow.MlflowClient().set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
+                                             json.dumps(runs_view([run_id])))
 
 
 def describe_experiment(experiment_id: str) -> None:

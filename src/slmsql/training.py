@@ -92,18 +92,56 @@ def lora_config(cfg):
                       target_modules=targets, task_type="CAUSAL_LM")
 
 
+# The MLflow UI draws a run's charts in sections named by the metric's prefix, in name order, and TRL's names put
+# five clip-ratio charts first and reward at the bottom. So the learning signal is also logged as
+# `0_signal/<metric>` (vocabulary.SIGNAL; a digit sorts before every letter), and the clip ratios, 0 by
+# construction while each generation batch is trained on once, are held back until they move (then logged from
+# their first step).
+HELD_WHILE_CONSTANT = ("clip_ratio/",)
+
+
+class StepMetrics:
+    """A step's trainer metrics as logged (names made MLflow-safe, the rules above): `points(logs, step)` returns
+    [(step, {name: value})], the held-back points of a metric first when it moves."""
+
+    def __init__(self):
+        self.held: dict[str, list[tuple[int, float]]] = {}
+        self.moving: set[str] = set()
+
+    def points(self, logs: dict, step: int) -> list[tuple[int, dict]]:
+        from .tracking import metric_name, numeric
+        from .vocabulary import SIGNAL, SIGNAL_PREFIX
+
+        now, earlier = {}, []
+        for key, value in numeric(logs).items():
+            name = metric_name(key)
+            if name.startswith(HELD_WHILE_CONSTANT) and name not in self.moving:
+                held = self.held.setdefault(name, [])
+                if all(v == value for _, v in held):
+                    held.append((step, value))
+                    continue
+                self.moving.add(name)
+                earlier += [(s, {name: v}) for s, v in self.held.pop(name)]
+            now[name] = value
+            if key in SIGNAL:
+                now[f"{SIGNAL_PREFIX}/{name}"] = value
+        return earlier + ([(step, now)] if now else [])
+
+
 def metrics_callback(outbox):
-    """A transformers callback logging the trainer's metrics to the stage's run through its outbox (durable.py:
-    an outage loses none), and nothing else: `report_to="mlflow"` would also log ~224 params (every training
-    argument and model-config field)."""
+    """A transformers callback logging the trainer's metrics (`StepMetrics`) to the stage's run through its outbox
+    (durable.py: an outage loses none), and nothing else: `report_to="mlflow"` would also log ~224 params (every
+    training argument and model-config field)."""
     from transformers import TrainerCallback
 
-    from .tracking import metric_name, numeric
-
     class MlflowMetrics(TrainerCallback):
+        def __init__(self):
+            self.steps = StepMetrics()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs:
-                outbox.log_metrics({metric_name(k): v for k, v in numeric(logs).items()}, step=state.global_step)
+                for step, metrics in self.steps.points(logs, state.global_step):
+                    outbox.log_metrics(metrics, step=step)
 
     return MlflowMetrics()
 

@@ -20,6 +20,9 @@ TRL_PREFIXES = ("completions", "rewards", "clip_ratio", "sampling", "tools", "pr
 SUMMARY_OF = ("reward", "reward_std", "frac_reward_zero_std", "grad_norm", "exec/correct",
               "exec/frac_groups_correctness_varies", "completions/mean_length", "entropy", "step_time",
               "dynamic_sampling/groups_dropped", "dynamic_sampling/extra_rounds")
+# the learning signal, logged again per step as `0_signal/<name>` (training.StepMetrics: its charts come first)
+SIGNAL = ("reward", "reward_std", "frac_reward_zero_std", "exec/frac_groups_correctness_varies")
+SIGNAL_PREFIX = "0_signal"
 PLACEHOLDERS = {
     "<difficulty>": "simple|moderate|challenging",
     "<status>": "|".join(OUTCOME_STATUSES),
@@ -31,6 +34,7 @@ PLACEHOLDERS = {
     "<system metric>": r"[\w./-]+",
     "<step>": r"[\w-]+",
     "<step metric>": r"[\w./-]+",
+    "<signal>": "|".join(map(re.escape, SIGNAL)),
     "<ds metric>": "groups_sampled|groups_kept|groups_dropped|groups_filled|extra_rounds",
 }
 VOCABULARY = [
@@ -69,6 +73,9 @@ VOCABULARY = [
     ("data_check_success", ("filter",), "1 when the rl data check passed on the filter's own output"),
     ("reward", ("grpo",), "mean total reward per sampled completion (TRL)"),
     ("reward_std", ("grpo",), "reward standard deviation within a prompt's group (TRL)"),
+    ("0_signal/<signal>", ("grpo",), "`reward`, `reward_std`, `frac_reward_zero_std` and "
+     "`exec/frac_groups_correctness_varies` again, per step, named so that the MLflow UI draws their charts first "
+     "(it orders chart sections by name); `clip_ratio/*` are logged only once they leave their first value"),
     ("frac_reward_zero_std", ("grpo",), "share of groups whose completions all got one reward: no gradient (TRL)"),
     ("exec/frac_groups_correctness_varies", ("grpo",),
      "share of groups holding both right and wrong SQL: the signal about correctness"),

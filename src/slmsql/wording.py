@@ -33,3 +33,18 @@ def duration(seconds) -> str:
         return f"{seconds:.0f} s"
     h, m = divmod(round(seconds / 60), 60)
     return f"{h} h {m} min" if h else f"{m} min"
+
+
+SHORT_VERDICT = {"no significant difference": "no sig. difference"}
+
+
+def result(c: dict) -> str:
+    """A paired comparison (`stats.compare`: side `a` this run, `b` the baseline) in one table cell, e.g.
+    `37.0% vs 39.5%, −2.5 pts [−6.7, +2.4], p 0.38, no sig. difference`."""
+    return (f"{pct(c['ex_a'])} vs {pct(c['ex_b'])}, {pts(c['diff'])} pts [{pts(c['diff_ci_low'])}, "
+            f"{pts(c['diff_ci_high'])}], p {pval(c['mcnemar_p'])}, {SHORT_VERDICT.get(c['verdict'], c['verdict'])}")
+
+
+def ex_result(m: dict) -> str:
+    """An evaluation without a baseline in one cell: `37.0% [29.1%, 45.2%]` (EX and its Wilson interval)."""
+    return f"{pct(m['ex'])} [{pct(m['ex_ci_low'])}, {pct(m['ex_ci_high'])}]"

@@ -46,7 +46,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking, vocabulary
+    from .. import descriptions, lineage, tracking, vocabulary, wording
 
     examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
@@ -72,12 +72,13 @@ def main(cfg: EvaluateConfig) -> dict:
             new_tokens=cfg.max_new_tokens)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
-            "slmsql.model": cfg.model or "predictions-file", "slmsql.adapter": tracking.param_value(cfg.adapter or "")}
+            "slmsql.model": tracking.portable(cfg.model) or "predictions-file",
+            "slmsql.adapter": tracking.portable(cfg.adapter or "")}
     with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},
                                 tags=tags) as run:
         work_dir = st.work
         mlflow.log_metrics(token_metrics)
-        tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
+        data = tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}
         engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
                     payloads=preds if cfg.predictions else None, policy=policy)
@@ -100,17 +101,24 @@ def main(cfg: EvaluateConfig) -> dict:
             log.warning("%d gold examples have no prediction; scored wrong", missing)
         write_jsonl(work_dir / "results.jsonl", results)
         write_json(work_dir / "metrics.json", metrics)
-        mlflow.log_metrics(tracking.numeric(metrics))
+        # EX is a metric of the evaluated policy's LoggedModel on this eval set (the experiment's Models tab)
+        mlflow.log_metrics(tracking.numeric(metrics), model_id=lineage.model_of(cfg.model, cfg.adapter), dataset=data)
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
+        result = wording.result(comparison) if comparison else wording.ex_result(metrics)
+        mlflow.set_tag(tracking.RESULT, result)
         mlflow.log_figure(ex_figure(metrics, comparison, *names), "ex_intervals.png")
-        tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison, names[1], cfg.alpha))
+        tracking.describe(descriptions.evaluation_note(metrics, dataset, cfg.match, comparison,
+                                                       descriptions.run_link(baseline_run) if baseline_run else "",
+                                                       cfg.alpha))
         log.info("EX %.1f%% [%.1f, %.1f] on %d examples of %s (%s)", 100 * metrics["ex"],
                  100 * metrics["ex_ci_low"], 100 * metrics["ex_ci_high"], metrics["n"], dataset, cfg.match)
         for name in ("results.jsonl", "metrics.json", "predictions.jsonl"):
             if (work_dir / name).exists():
                 mlflow.log_artifact(str(work_dir / name))
-        mlflow.log_table(tables.evaluation_table(examples, results), "results_table.json")
+        mlflow.log_table(tables.evaluation_table(examples, results, preds), "results_table.json")
         if baseline is not None:  # the questions behind McNemar's test: only one side got them right
             mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),
                              "disagreements_table.json")
+            mlflow.log_text(tables.sql_report(examples, results, baseline, *names), "sql_side_by_side.md")
+    print(f"{run.info.run_name}: {result}\nMLflow UI: {tracking.ui_link(run.info.experiment_id)}", flush=True)
     return metrics

@@ -50,7 +50,7 @@ def main(cfg: FilterConfig) -> dict:
     policy = engines.check(work, generating=True, examples=examples)
 
     # sample and score on the engine; every finished row goes to disk at once (resume)
-    tags = {"slmsql.model": cfg.model, "slmsql.adapter": tracking.param_value(cfg.adapter)}
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.adapter": tracking.portable(cfg.adapter)}
     with st, tracking.stage_run("filter", cfg, {**engines.run_params(work), **promptcheck.params(prompt)}, tags=tags,
                                 run_id=st.run_id,
                                 system_metrics=True) as run:
@@ -88,7 +88,8 @@ def main(cfg: FilterConfig) -> dict:
         for name in ("band.jsonl", "passrates.jsonl", "summary.json"):
             mlflow.log_artifact(str(work_dir / name))
         if band:  # named as GRPO names its input: one name for one dataset
-            tracking.log_dataset(band, "rl", out / "band.jsonl", context="output")
+            tracking.log_dataset(band, "rl", out / "band.jsonl", context="output",
+                                 uri=f"runs:/{run.info.run_id}/band.jsonl")
         tracking.describe(descriptions.filter_note(summary))
         report = datachecks.run_rl_check(work_dir / "band.jsonl", cfg.db_root, work_dir / "summary.json", cfg.low,
                                          cfg.high)

@@ -46,8 +46,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import (descriptions, distributed, durable, figures, grpo_variants, promptcheck, rewards, tables, tracking,
-                    training)
+    from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards, tables,
+                    tracking, training)
     from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -71,8 +71,10 @@ def main(cfg: GRPOStageConfig) -> dict:
     args = training.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
         gradient_checkpointing=False)
-    tags = {"slmsql.model": cfg.model, "slmsql.base_adapter": tracking.param_value(cfg.base_adapter),
-            "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else "none"}
+    # adapter_mode only means something with a base adapter: no tag (the card reads "none") rather than one
+    # that contradicts the param (its default)
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter),
+            "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else ""}
 
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # adapter is in its final folder (it exits last)
@@ -87,7 +89,8 @@ def main(cfg: GRPOStageConfig) -> dict:
         builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
-        if main:
+        if main:  # the adapter's LoggedModel (a resumed run keeps its own), finalized with the run
+            outbox.track_model(lineage.start_policy_model(run.info.run_id, cfg.run_name or "grpo", "adapter"))
             tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
 

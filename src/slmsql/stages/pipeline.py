@@ -21,6 +21,8 @@ from ..workflow import Steps, use_this_cli
 
 
 def main(cfg: PipelineConfig) -> dict:
+    import mlflow
+
     from .. import descriptions, tracking
 
     use_this_cli()
@@ -67,6 +69,14 @@ def main(cfg: PipelineConfig) -> dict:
         headline = headline_numbers(filt, grpo, evals)
         verdicts = {split: evals[split].data.tags.get("slmsql.verdict") for split in SPLITS}
         descriptions.log_headline(headline, verdicts)
+        # the headline in the runs table: each eval set's GRPO-vs-SFT result, on this run, pinned on top
+        mlflow.set_tag(tracking.RESULT, "; ".join(f"{split} GRPO vs SFT: {evals[split].data.tags.get(tracking.RESULT)}"
+                                                   for split in SPLITS))
+        tracking.pin_view(s.experiment_id, parent.info.run_id)
+        by_policy = {name: {split: evals[f"{name}-{split}"] for split in SPLITS if f"{name}-{split}" in evals}
+                     for name in ("zeroshot", "sft")} | {"grpo": {split: evals[split] for split in SPLITS}}
+        descriptions.link_pipeline(mlflow.get_run(parent.info.run_id), {"sft": sft, "grpo": grpo},
+                                   {k: v for k, v in by_policy.items() if v})
         print_headline(headline, verdicts, s.out / "publish" / "README.md", tracking.ui_link(s.experiment_id),
                        cfg.model or "embedded toy default")
     return {**headline, **{f"verdict/{k}": v for k, v in verdicts.items()}}

@@ -34,6 +34,7 @@ from ..configs import PublishConfig
 from ..data import write_json
 from ..errors import SlmsqlError
 from ..hub import check_repo_id, hub_id, hub_token, push, same_model
+from ..lineage import MODEL_TAG
 from ..outputs import Staged, link_or_copy
 from ..registry import register, registry_name
 
@@ -74,7 +75,7 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
             raise SlmsqlError(f"--base-repo {cfg.base_repo}: the GRPO run's base model {model!r} is on the Hub "
                               "already; --base-repo is for a local base (a full fine-tune)")
     elif cfg.base_repo:
-        base = local_base(client, cfg, grpo, model)
+        base = local_base(client, cfg, grpo, model, tmp)
     elif not cfg.dry_run:
         raise SlmsqlError(f"the GRPO run's base model {model!r} is a local checkpoint, not a Hub model id: give "
                           "--base-repo OWNER/NAME to push it too (the adapter's card then names that repo as its "
@@ -114,9 +115,10 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     return runs, adapter
 
 
-def local_base(client, cfg: PublishConfig, grpo, model: str) -> cards.Base:
-    """The local base to push: a full model folder, and the runs that made it (for its card)."""
-    path = Path(model).expanduser()
+def local_base(client, cfg: PublishConfig, grpo, model: str, tmp: Path) -> cards.Base:
+    """The local base to push: a full model folder (a run artifact `runs:/<id>/<path>`, as the pipeline's GRPO
+    runs name it, fetched under `tmp`), and the runs that made it (for its card)."""
+    path = Path(tracking.fetch(model, tmp) if tracking.RUN_URI.fullmatch(model) else model).expanduser()
     weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
     if not (path / "config.json").is_file() or not weights:
         raise SlmsqlError(f"--base-repo: the GRPO run's base {model!r} is not a model folder here (config.json and "
@@ -203,8 +205,8 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
     if runs.base is not None:
         base = push(cfg, token, out / "base", repo_id=cfg.base_repo,
                     message=f"Base model of the GRPO adapter {cfg.repo_id} (slmsql publish)",
-                    description=f"The local checkpoint {runs.base.path} the adapter of MLflow run {cfg.grpo_run} "
-                                "was trained on")
+                    description=f"The base {tracking.portable(runs.base.path)} the adapter of MLflow run "
+                                f"{cfg.grpo_run} was trained on")
         result.update({f"base_{k}": v for k, v in base.items()})
         tags.update({"slmsql.base_hub_url": base["hub_url"], "slmsql.base_hub_commit": base["hub_commit"]})
     hub = push(cfg, token, out, ignore=("base/*",))
@@ -222,7 +224,8 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
         adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
         shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
         base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
-        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir)
+        model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir,
+                                    into=runs.grpo.data.tags.get(MODEL_TAG))
     result.update(text2sql_model=model_uri)
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:

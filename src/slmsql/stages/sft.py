@@ -32,7 +32,7 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, durable, promptcheck, tokens, tracking, training
+    from .. import descriptions, distributed, durable, lineage, promptcheck, tokens, tracking, training
     from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
 
     # args: every check before any model loads, the token budget and the prompt settings included
@@ -58,13 +58,14 @@ def main(cfg: SFTStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # policy is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags={"slmsql.model": cfg.model,
-                                                          "slmsql.base_adapter": tracking.param_value(cfg.base_adapter)},
-                                        system_metrics=True, outbox=outbox):
+    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter)}
+    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags=tags,
+                                        system_metrics=True, outbox=outbox) as run:
         # data
         train = Dataset.from_list([rows[j] for j in keep])
         main = distributed.is_main()
-        if main:
+        if main:  # the policy's LoggedModel, finalized with the run (its files: the run's `policy` artifact)
+            outbox.track_model(lineage.start_policy_model(run.info.run_id, cfg.run_name or "sft", "policy"))
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
         # model

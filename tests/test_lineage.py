@@ -1,0 +1,116 @@
+"""A trained policy's LoggedModel (lineage.py): made when its run starts, finalized with the run's end through
+the outbox (so an outage loses it no more than the run's metrics), found again by the evaluation of its files."""
+
+import mlflow
+import pytest
+
+from slmsql import durable, lineage
+
+
+def _training_run(stage="grpo"):
+    run = mlflow.start_run(run_name=stage)
+    mlflow.set_tag("slmsql.stage", stage)
+    mlflow.log_params({"model": "runs:/" + "a" * 32 + "/policy", "learning_rate": "1e-05"})
+    return run
+
+
+@pytest.mark.parametrize("status, final", [("FINISHED", "READY"), ("FAILED", "FAILED")])
+def test_policy_model_is_an_output_of_its_run_and_ends_with_it(tmp_path, status, final):
+    run = _training_run()
+    run_id = run.info.run_id
+    model_id = lineage.start_policy_model(run_id, "grpo", "adapter")
+    box = durable.Outbox(tmp_path / "out.outbox", wait=0)
+    box.start(run_id, background=False)
+    box.track_model(model_id)
+    box.end_run(status)
+    client = mlflow.MlflowClient()
+    assert str(client.get_logged_model(model_id).status) == "PENDING"  # the final status waits in the outbox
+    durable.sync(tmp_path / "out.outbox")
+    model = client.get_logged_model(model_id)
+    assert str(model.status) == final and model.name == "grpo" and model.source_run_id == run_id
+    assert model.tags[lineage.FILES_TAG] == f"runs:/{run_id}/adapter"  # a reference, no copy of the weights
+    assert model.params == {"model": "runs:/" + "a" * 32 + "/policy", "learning_rate": "1e-05"}
+    got = client.get_run(run_id)
+    assert got.data.tags[lineage.MODEL_TAG] == model_id
+    assert [o.model_id for o in got.outputs.model_outputs] == [model_id]
+    # a resumed run keeps the model it started with
+    assert lineage.start_policy_model(run_id, "grpo", "adapter") == model_id
+    assert len(client.search_logged_models([got.info.experiment_id])) == 1
+
+
+def test_an_evaluation_finds_the_model_of_the_run_that_trained_its_policy(tmp_path):
+    with _training_run("sft") as sft:
+        model_id = lineage.start_policy_model(sft.info.run_id, "sft", "policy")
+    sft_id = sft.info.run_id
+    local = tmp_path / "out" / "from-runs" / sft_id / "policy"  # the fetched copy an evaluation loads
+    assert lineage.model_of("base-model", f"runs:/{sft_id}/policy") == model_id
+    assert lineage.model_of(str(local)) == model_id
+    assert lineage.model_of("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # no run trained it
+    assert lineage.trained_by(str(local), f"runs:/{'b' * 32}/adapter") == "b" * 32  # the adapter is the policy
+    assert lineage.model_of(f"runs:/{'c' * 32}/policy") is None  # no such run in this store
+
+
+def test_descriptions_link_related_runs_once_however_often_linked():
+    from slmsql import descriptions, tracking
+
+    with mlflow.start_run(run_name="grpo") as grpo:
+        tracking.describe("GRPO, 3 steps.")
+    evals = []
+    for name in ("eval-grpo-dev", "eval-grpo-dev_cross"):
+        with mlflow.start_run(run_name=name) as r:
+            evals.append(r)
+    client = mlflow.MlflowClient()
+    for _ in range(2):  # a reused run is linked again: replaced, not appended
+        descriptions.link_runs(client.get_run(grpo.info.run_id), {"Evaluations:": evals, "Nothing:": []})
+    exp = grpo.info.experiment_id
+    assert client.get_run(grpo.info.run_id).data.tags[tracking.NOTE] == (
+        f"GRPO, 3 steps.\n\nRelated runs: Evaluations: [eval-grpo-dev](#/experiments/{exp}/runs/{evals[0].info.run_id}),"
+        f" [eval-grpo-dev_cross](#/experiments/{exp}/runs/{evals[1].info.run_id}).")
+
+
+def test_training_charts_start_with_the_signal_and_constant_clip_ratios_wait():
+    """The learning signal is also logged under a name that sorts first (the UI orders chart sections by name);
+    a clip ratio is held back while it keeps its first value, and logged from its first step once it moves."""
+    from slmsql import vocabulary
+    from slmsql.training import StepMetrics
+
+    steps = StepMetrics()
+    logs = lambda clip, reward: {"reward": reward, "reward_std": 0.5, "clip_ratio/low_mean": clip,  # noqa: E731
+                                 "exec/frac_groups_correctness_varies": 1.0, "frac_reward_zero_std": 0.0, "loss": 1}
+    first = steps.points(logs(0.0, 0.2), 1)
+    assert first == [(1, {"reward": 0.2, "0_signal/reward": 0.2, "reward_std": 0.5, "0_signal/reward_std": 0.5,
+                          "exec/frac_groups_correctness_varies": 1.0,
+                          "0_signal/exec/frac_groups_correctness_varies": 1.0, "frac_reward_zero_std": 0.0,
+                          "0_signal/frac_reward_zero_std": 0.0, "loss": 1.0})]
+    assert sorted(first[0][1])[:4] == [f"0_signal/{k}" for k in sorted(vocabulary.SIGNAL)]
+    assert "clip_ratio/low_mean" not in steps.points(logs(0.0, 0.3), 2)[0][1]  # still 0: held
+    moved = steps.points(logs(0.1, 0.3), 3)
+    clip = [(s, m["clip_ratio/low_mean"]) for s, m in moved if "clip_ratio/low_mean" in m]
+    assert clip == [(1, 0.0), (2, 0.0), (3, 0.1)]
+    assert steps.points(logs(0.1, 0.3), 4)[0][1]["clip_ratio/low_mean"] == 0.1  # moving: logged every step
+    assert all(vocabulary.documented(k, "grpo") for _, m in moved for k in m)
+
+
+def test_text2sql_is_logged_into_the_grpo_policys_model(tmp_path):
+    """publish's servable model goes into the LoggedModel the GRPO run made (an output of that run already), so
+    run -> logged model -> registered version is one line; a second, different one gets a model of its own."""
+    from slmsql import text2sql
+
+    with _training_run("grpo") as grpo:
+        policy = lineage.start_policy_model(grpo.info.run_id, "grpo", "adapter")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    config = {"base_model": "org/base", "grpo_run": grpo.info.run_id}
+    with mlflow.start_run(run_name="publish"):
+        uri, reused = text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c1"}, into=policy)
+        assert (uri, reused) == (f"models:/{policy}", False)
+        assert text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c1"}, into=policy) == (uri, True)
+        other, _ = text2sql.log_text2sql(grpo.info.run_id, adapter, config, {"adapter": "c2"}, into=policy)
+    assert other != uri
+    model = mlflow.get_logged_model(policy)
+    assert str(model.status) == "READY" and model.source_run_id == grpo.info.run_id
+    outputs = [o.model_id for o in mlflow.get_run(grpo.info.run_id).outputs.model_outputs]
+    assert outputs.count(policy) == 1 and set(outputs) == {policy, other.removeprefix("models:/")}
+    version = mlflow.register_model(uri, "text2sql-test")
+    assert version.run_id == grpo.info.run_id and version.source == uri
