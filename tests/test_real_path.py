@@ -196,7 +196,7 @@ class FakeSteps:
         t = self.types
         self.calls[name] = (stage, given)
         metrics = {"ex": 0.5, "vs_baseline/p": 1.0, "band": 3.0}
-        return t.SimpleNamespace(info=t.SimpleNamespace(run_id=f"id-{name}"), data=t.SimpleNamespace(
+        return t.SimpleNamespace(info=t.SimpleNamespace(run_id=f"id-{name}", run_name=name, experiment_id="0"), data=t.SimpleNamespace(
             metrics=metrics, tags={"slmsql.policy_kind": self.policy_kind, "slmsql.verdict": "no significant difference"}))
 
     def uri(self, run, path):
@@ -210,6 +210,9 @@ def test_pipeline_on_a_pretrained_model_wires_zero_shot_and_the_sft_adapter(monk
     FakeSteps.policy_kind = kind
     made = {}
     monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
+    # the fake runs are not in the store: record how the pipeline links them instead of writing descriptions
+    monkeypatch.setattr("slmsql.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
+        links=({k: r.info.run_id for k, r in trained.items()}, {k: sorted(v) for k, v in evals.items()})))
     pipeline.main(configs.PipelineConfig(model="org/some-chat-model"))
     calls = made["s"].calls
     assert "tiny-model" not in calls
@@ -228,6 +231,8 @@ def test_pipeline_on_a_pretrained_model_wires_zero_shot_and_the_sft_adapter(monk
     else:  # a full fine-tune is a model of its own, pushed as the adapter's base
         assert calls["filter"][1]["model"] == calls["grpo"][1]["model"] == "runs:/id-sft/policy"
         assert calls["publish"][1]["base_repo"] == "slmsql/toy-sft"
+    assert made["links"] == ({"sft": "id-sft", "grpo": "id-grpo"},
+                             {p: ["dev", "dev_cross"] for p in ("zeroshot", "sft", "grpo")})
 
 
 def test_toy_pipeline_builds_the_tiny_model_and_evaluates_no_zero_shot(monkeypatch):
@@ -236,7 +241,11 @@ def test_toy_pipeline_builds_the_tiny_model_and_evaluates_no_zero_shot(monkeypat
     FakeSteps.policy_kind = "full"
     made = {}
     monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
+    # the fake runs are not in the store: record how the pipeline links them instead of writing descriptions
+    monkeypatch.setattr("slmsql.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
+        links=({k: r.info.run_id for k, r in trained.items()}, {k: sorted(v) for k, v in evals.items()})))
     pipeline.main(configs.PipelineConfig())
     calls = made["s"].calls
     assert list(calls)[:3] == ["toy", "tiny-model", "sft"] and not any("zeroshot" in c for c in calls)
     assert calls["sft"][1]["model"] == "runs:/id-tiny-model/model" and calls["eval-sft-dev"][1]["baseline_run"] == ""
+    assert made["links"][1] == {p: ["dev", "dev_cross"] for p in ("sft", "grpo")}  # no zero-shot evaluations
