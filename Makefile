@@ -51,8 +51,8 @@ study: install | outputs/filter/band.jsonl
 # HEADROOM_SFT_STEPS of its 800 steps, its own filter band) beside the demo's SFT, each trained by GRPO for the
 # demo's 50 steps and for HEADROOM_GRID (steps and learning rate chosen by a short look, README), 3 seeds
 # each, every cell compared with its own start on dev, dev_cross and rl_source: one table, one Holm family.
-# rl_source is seen in training (both bands are drawn from it): the positive control, a gain GRPO can make;
-# dev and dev_cross ask whether it transfers to unseen questions. Its own MLflow
+# rl_source is the set GRPO saw (each start trains on its band of it, the filter sampled the rest): the planned
+# positive control; dev and dev_cross ask whether a gain transfers to unseen questions (README). Its own MLflow
 # experiment (slmsql-headroom) in mlflow.db and its own folder; reruns reuse finished cells and files.
 HEADROOM_SFT_STEPS ?= 550
 # every question with correctness variance among the K = 8 samples (1 to 7 right): the weak start's default
