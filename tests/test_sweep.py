@@ -421,7 +421,10 @@ def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypat
     assert result.exit_code == 0, result.output
     [p] = planned
     assert [s.name for s in p.starts] == ["weak", "demo"] and len(p.seeds) == 3
-    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross"]
+    # held-out dev and dev_cross (does a gain transfer?) and, named as seen, the questions both bands are drawn
+    # from (the positive control: what GRPO trained on)
+    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross", "toy-rl_source-seen"]
+    assert Path(p.eval_sets[2].data).name == "rl_source.jsonl"
     weak, demo = p.starts
     assert "weak" in weak.data and weak.data != demo.data  # each start on its own filter band
     steps = {label: c.max_steps for label, c in p.grpo.items()}
