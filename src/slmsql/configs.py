@@ -366,6 +366,11 @@ class SweepConfig(Common):
                                "Comma-separated eval gold files.")
     eval_names: list[str] = opt([], "Comma-separated dataset names, one per eval file (default: the files' stems).")
     eval_db_roots: list[str] = opt([], "Comma-separated database folders, one per eval file (default: --db-root).")
+    start_eval_data: list[str] = opt([], "An eval file of each start's own, one per --model (e.g. the RL band it "
+                                     "trains on), beside the shared ones: each start's cells are scored on theirs, "
+                                     "compared with that start on it, in the one Holm family.")
+    start_eval_name: str = opt("start-own", "The dataset name of the --start-eval-data files (one name: one column "
+                               "of the table).")
     baseline_runs: list[str] = opt([], "Comma-separated evaluate run ids of the starting policy, one per eval set "
                                    "(default: evaluate it here, once per eval set).")
     alpha: float = opt(0.05, "Significance level (family-wise, Holm over every variant x eval set).")

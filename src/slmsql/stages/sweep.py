@@ -54,6 +54,7 @@ class Start:
     model: str
     base_adapter: str
     data: str
+    eval_set: EvalSet | None = None  # --start-eval-data: an eval set of this start's own (its RL band, say)
 
 
 @dataclass
@@ -65,6 +66,11 @@ class Plan:
     seeds: list[int]
     starts: list[Start] = dataclasses.field(default_factory=list)
     start_of: dict = dataclasses.field(default_factory=dict)  # variant label -> its Start
+
+    def sets_of(self, start: Start | None) -> list[EvalSet]:
+        """The eval sets a start's cells are scored on: the shared ones, then the start's own, if any."""
+        own = getattr(start, "eval_set", None)
+        return self.eval_sets + ([own] if own else [])
 
 
 def _local(path: str) -> str:
@@ -160,6 +166,19 @@ def plan(cfg: SweepConfig) -> Plan:
         if not Path(path).exists():
             raise DataError("no such adapter folder", path, field="base_adapter")
     sets = [EvalSet(name, _local(data), _local(root)) for name, data, root in zip(names, cfg.eval_data, roots)]
+    if cfg.start_eval_data:  # one file per start, scored under one name, each compared with its own start on it
+        if len(cfg.start_eval_data) != len(all_starts):
+            raise DataError(f"{len(cfg.start_eval_data)} given for {len(all_starts)} --model: give one per --model",
+                            "command line", field="start_eval_data")
+        if not cfg.start_eval_name or cfg.start_eval_name in names:
+            raise DataError(f"needs a name that no --eval-names has, got {cfg.start_eval_name!r}", "command line",
+                            field="start_eval_name")
+        for path in cfg.start_eval_data:
+            if not Path(path).is_file():
+                raise DataError("no such file", path, field="start_eval_data")
+        all_starts = [dataclasses.replace(st, eval_set=EvalSet(cfg.start_eval_name, _local(path), _local(cfg.db_root)))
+                      for st, path in zip(all_starts, cfg.start_eval_data)]
+        start_of = {label: all_starts[[s.name for s in all_starts].index(st.name)] for label, st in start_of.items()}
     return Plan(variants, grpo, evaluate, sets, [cfg.seed + i for i in range(cfg.seeds)], all_starts, start_of)
 
 
@@ -196,7 +215,7 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
     variant, seed and eval_runs {eval set: run id}; baselines are under the cells' `baseline_runs`."""
     rows = []
     for v in plan.variants:
-        for es in plan.eval_sets:
+        for es in plan.sets_of(plan.start_of.get(v.label)):
             mine = [c for c in cells if c["variant"] == v.label]
             base = correct[mine[0]["baseline_runs"][es.name]]
             ids = sorted(base)
@@ -220,9 +239,8 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
     return {
         "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "comparisons": len(rows),
         "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
-        "eval_sets": [{"name": es.name, "n": next(r["n"] for r in rows if r["eval_set"] == es.name),
-                       "ex_b": next(r["ex_b"] for r in rows if r["eval_set"] == es.name),
-                       "baseline_run": cells[0]["baseline_runs"][es.name]} for es in plan.eval_sets],
+        "eval_sets": [_eval_set(name, rows, cells) for name in dict.fromkeys(
+            es.name for st in (plan.starts or [None]) for es in plan.sets_of(st))],
         "variants": [{"label": v.label, "settings": {k: param_text(x) for k, x in v.settings.items()}}
                      for v in plan.variants],
         "starts": [{"name": st.name, "baseline_runs": next(c["baseline_runs"] for c in cells
@@ -230,6 +248,16 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
                    for st in plan.starts],
         "rows": rows, "cells": cells,
     }
+
+
+def _eval_set(name: str, rows: list[dict], cells: list[dict]) -> dict:
+    """An eval set's heading: n and starting EX, which differ by start on a set of each start's own (then
+    `n` reads 'weak 56, demo 86' and the starting EX is per row, as with any start axis)."""
+    mine = [r for r in rows if r["eval_set"] == name]
+    by_start = dict.fromkeys(f"{r['start']} {r['n']}" for r in mine)
+    return {"name": name, "n": mine[0]["n"] if len({r["n"] for r in mine}) == 1 else ", ".join(by_start),
+            "ex_b": mine[0]["ex_b"], "baseline_run": next(c["baseline_runs"][name] for c in cells
+                                                          if name in c["baseline_runs"])}
 
 
 def wide_table(rep: dict):
@@ -292,7 +320,7 @@ def main(cfg: SweepConfig) -> dict:
         baseline_ids, correct, several = {}, {}, len(p.starts) > 1
         for st in p.starts:  # each start evaluated once per eval set; its cells are compared with it
             baselines = dict(given)
-            for es in p.eval_sets:
+            for es in p.sets_of(st):
                 if es.name not in baselines:
                     where = out / "baseline" / (slug(st.name) if several else "") / slug(es.name)
                     baselines[es.name] = s.run(
@@ -314,7 +342,7 @@ def main(cfg: SweepConfig) -> dict:
                              seed=seed, **_params(p.grpo[v.label]))
                 adapter = s.uri(grpo, "adapter")  # the eval step fetches it; its params keep the run URI
                 evals = {}
-                for es in p.eval_sets:
+                for es in p.sets_of(st):
                     run = s.run("evaluate", f"eval {es.name} {v.label} seed={seed}", tags=tags,
                                 output_dir=str(where / f"eval-{slug(es.name)}"), model=_local(st.model),
                                 adapter=adapter, data=es.data, db_root=es.db_root, dataset_name=es.name,
