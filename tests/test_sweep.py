@@ -283,6 +283,122 @@ def test_start_axis_compares_each_row_with_its_own_start_in_one_holm_family():
 
 
 
+def test_each_start_has_an_eval_set_of_its_own(tmp_path):
+    (tmp_path / "dbs").mkdir()
+    bands = [str(write(tmp_path / f"band-{x}.jsonl", [])) for x in ("weak", "demo")]
+    base = dict(data=bands, db_root=str(tmp_path / "dbs"), eval_data=[str(write(tmp_path / "dev.jsonl", []))],
+                eval_names=["dev"], model=["w", "d"], start_names=["weak", "demo"], grid="max_steps=50,200",
+                start_eval_data=bands, start_eval_name="band-seen")
+    p = sweep.plan(SweepConfig(**base))
+    got = {label: [(es.name, es.data) for es in p.sets_of(st)] for label, st in p.start_of.items()}
+    dev = ("dev", str((tmp_path / "dev.jsonl").resolve()))
+    for label, sets in got.items():  # the shared set, then the start's own band, under the one name
+        own = bands[0] if label.startswith("start=weak ") else bands[1]
+        assert sets == [dev, ("band-seen", str(Path(own).resolve()))], label
+    assert p.eval_sets == [sweep.EvalSet(*dev, str((tmp_path / "dbs").resolve()))]  # not a shared set
+    assert [st.eval_set for st in p.starts] == [p.start_of[f"start={st.name} max_steps=50"].eval_set
+                                                 for st in p.starts]
+    bare = sweep.plan(SweepConfig(**{**base, "start_eval_data": []}))  # none given: the shared sets alone
+    assert [bare.sets_of(st) for st in bare.starts] == [p.eval_sets] * 2
+    for change, match in [
+        (dict(start_eval_data=bands[:1]), "field 'start_eval_data': 1 given for 2 --model: give one per --model"),
+        (dict(start_eval_data=bands + bands[:1]), "field 'start_eval_data': 3 given for 2 --model"),
+        (dict(start_eval_name="dev"), "field 'start_eval_name': needs a name that no --eval-names has"),
+        (dict(start_eval_name=""), "field 'start_eval_name'"),
+        (dict(start_eval_data=[bands[0], str(tmp_path / "nope.jsonl")]),
+         "nope.jsonl: field 'start_eval_data': no such file"),
+    ]:
+        with pytest.raises(DataError, match=match):
+            sweep.plan(SweepConfig(**{**base, **change}))
+
+
+def test_own_eval_sets_are_compared_with_their_own_start_in_the_one_family():
+    dev, weak_band, demo_band = ([f"{x}{i}" for i in range(n)] for x, n in (("q", 40), ("w", 20), ("d", 30)))
+    starts = [sweep.Start("weak", "w", "", "bw", sweep.EvalSet("band", "bw.jsonl", "")),
+              sweep.Start("demo", "d", "", "bd", sweep.EvalSet("band", "bd.jsonl", ""))]
+    variants = [Variant(f"start={s.name} defaults", {}) for s in starts]
+    plan = sweep.Plan(variants, {}, None, [sweep.EvalSet("dev", "", "")], [0, 1], starts,
+                      dict(zip([v.label for v in variants], starts)))
+    # on its band the weak start goes 5/20 -> 15/20; the demo start is 15/30 before and after; dev moves nowhere
+    correct = {"w-dev": {q: q < "q20" for q in dev}, "d-dev": {q: q < "q20" for q in dev},
+               "w-band": {q: int(q[1:]) < 5 for q in weak_band}, "d-band": {q: int(q[1:]) < 15 for q in demo_band}}
+    cells = []
+    for v, st in zip(variants, starts):
+        for seed in plan.seeds:
+            run = f"{st.name}-{seed}"
+            correct[f"{run}-dev"] = correct[f"{st.name[0]}-dev"]
+            correct[f"{run}-band"] = ({q: int(q[1:]) < 15 for q in weak_band} if st.name == "weak"
+                                      else correct["d-band"])
+            cells.append({"variant": v.label, "seed": seed, "grpo_run": f"g-{run}", "reused": False,
+                          "eval_runs": {"dev": f"{run}-dev", "band": f"{run}-band"},
+                          "baseline_runs": {"dev": f"{st.name[0]}-dev", "band": f"{st.name[0]}-band"}})
+    rep = sweep.report(plan, cells, correct, alpha=0.05)
+    rows = {(r["start"], r["eval_set"]): r for r in rep["rows"]}
+    assert rep["comparisons"] == 4 and [r["p_holm"] for r in rep["rows"]] == pytest.approx(
+        reference_holm([r["p"] for r in rep["rows"]]))
+    assert (rows["weak", "band"]["n"], rows["weak", "band"]["ex_b"], rows["weak", "band"]["diff"],
+            rows["weak", "band"]["verdict"]) == (20, 0.25, 0.5, "improved")
+    assert (rows["demo", "band"]["n"], rows["demo", "band"]["ex_b"], rows["demo", "band"]["diff"],
+            rows["demo", "band"]["verdict"]) == (30, 0.5, 0.0, "no significant difference")
+    assert [es["name"] for es in rep["eval_sets"]] == ["dev", "band"]
+    assert rep["eval_sets"][1]["n"] == "weak 20, demo 30" and rep["eval_sets"][0]["n"] == 40
+    assert "**band** (n = weak 20, demo 30)" in sweep.markdown(rep)
+    assert rep["starts"][1] == {"name": "demo", "baseline_runs": {"dev": "d-dev", "band": "d-band"}}
+
+
+class _FakeSteps:
+    """The sweep's steps, recorded instead of run: each evaluate 'run' scores every question of its file right."""
+
+    def __init__(self, experiment_id, output_dir, **_):
+        self.out, self.reused, self.calls = Path(output_dir), [], []
+        _FakeSteps.last = self
+
+    def run(self, stage, name, tags=None, **params):
+        import types
+
+        run_id = f"r{len(self.calls)}"
+        self.calls.append((stage, {**params, "run_id": run_id}))
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id), params=params)
+
+    def uri(self, run, name):
+        return f"runs:/{run.info.run_id}/{name}"
+
+    def artifact(self, run, name):
+        rows = read(run.params["data"])
+        path = self.out / f"{run.info.run_id}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path, [{"id": r["id"], "correct": run.params.get("adapter", "") != ""} for r in rows])
+        return path
+
+
+def test_sweep_scores_each_starts_cells_on_its_own_file(tmp_path, monkeypatch):
+    from slmsql import workflow
+
+    (tmp_path / "dbs").mkdir()
+    files = {x: str(write(tmp_path / f"{x}.jsonl", [{"id": f"{x}{i}"} for i in range(n)]))
+             for x, n in (("dev", 12), ("band-weak", 8), ("band-demo", 10))}
+    monkeypatch.setattr(workflow, "Steps", _FakeSteps)
+    w, d = (str(tmp_path / "starts" / x) for x in ("w", "d"))  # local starting policies, only looked at
+    rep = sweep.main(SweepConfig(model=[w, d], start_names=["weak", "demo"], data=[files["band-weak"]],
+                                 db_root=str(tmp_path / "dbs"), eval_data=[files["dev"]], eval_names=["dev"],
+                                 start_eval_data=[files["band-weak"], files["band-demo"]], seeds=2,
+                                 start_eval_name="band-seen", output_dir=str(tmp_path / "out")))
+    evals = [p for stage, p in _FakeSteps.last.calls if stage == "evaluate"]
+    seen = {(Path(p["model"]).name, bool(p["adapter"]), Path(p["data"]).name) for p in evals
+            if p["dataset_name"] == "band-seen"}
+    # each start and its 2 cells scored on its own band, never on the other start's
+    assert seen == {("w", False, "band-weak.jsonl"), ("w", True, "band-weak.jsonl"),
+                    ("d", False, "band-demo.jsonl"), ("d", True, "band-demo.jsonl")}
+    assert sum(p["dataset_name"] == "band-seen" for p in evals) == 2 * (1 + 2)
+    base = {(p["model"], p["dataset_name"]): p for p in evals if not p["adapter"]}
+    for p in evals:  # every cell's evaluation is compared with its own start's run on that file
+        if p["adapter"]:
+            assert p["baseline_run"] == base[p["model"], p["dataset_name"]]["run_id"]
+    rows = {(r["start"], r["eval_set"]): r["n"] for r in rep["rows"]}
+    assert rows == {("weak", "dev"): 12, ("demo", "dev"): 12, ("weak", "band-seen"): 8, ("demo", "band-seen"): 10}
+    assert rep["comparisons"] == 4
+
+
 # ---- one small real sweep: 2 variants x 2 seeds, 2 GRPO steps each, a 12-question dev slice ----------------
 
 SMALL = ("grpo.max_steps=2 grpo.num_generations=4 grpo.per_device_train_batch_size=8 grpo.max_completion_length=32 "
@@ -399,16 +515,15 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
 # ---- make study-headroom: its command plans the table the README reports --------------------------------
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypatch):
+def _make_sweep_plan(target: str, tmp_path, monkeypatch):
+    """The plan of the sweep `make TARGET` runs (its files stood in by empty ones), and its other commands."""
     repo = Path(__file__).resolve().parents[1]
-    dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), "study-headroom", "BIN=bin", "VENV=venv"],
+    dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), target, "BIN=bin", "VENV=venv"],
                          capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
     lines = [shlex.split(x)[1:] for x in dry.splitlines() if x.startswith("bin/slmsql ")]
-    weak_sft = next(a for a in lines if a[0] == "sft" and "--max-steps" in a)
-    assert int(weak_sft[weak_sft.index("--max-steps") + 1]) < configs.SFTStageConfig().max_steps  # stopped early
     args = next(a for a in lines if a[0] == "sweep")
     for i, a in enumerate(args[:-1]):  # the files it reads, empty, where the study would find them
-        if a in ("--data", "--eval-data"):
+        if a in ("--data", "--eval-data", "--start-eval-data"):
             for f in args[i + 1].split(","):
                 (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
                 write(tmp_path / f, [])
@@ -419,7 +534,13 @@ def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypat
     monkeypatch.setattr(sweep, "main", lambda cfg: planned.append(sweep.plan(cfg)))
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    [p] = planned
+    return planned[0], lines
+
+
+def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypatch):
+    p, lines = _make_sweep_plan("study-headroom", tmp_path, monkeypatch)
+    weak_sft = next(a for a in lines if a[0] == "sft" and "--max-steps" in a)
+    assert int(weak_sft[weak_sft.index("--max-steps") + 1]) < configs.SFTStageConfig().max_steps  # stopped early
     assert [s.name for s in p.starts] == ["weak", "demo"] and len(p.seeds) == 3
     # held-out dev and dev_cross (does a gain transfer?) and, named as seen, the questions both bands are drawn
     # from (the positive control: what GRPO trained on)
@@ -433,3 +554,15 @@ def test_make_study_headroom_plans_two_starts_by_two_lengths(tmp_path, monkeypat
     for st in ("weak", "demo"):
         mine = sorted(s for label, s in steps.items() if label.startswith(f"start={st} "))
         assert mine[0] == configs.GRPOStageConfig().max_steps == 50 and mine[1] > 50
+
+
+def test_make_study_headroom_confirm_plans_fresh_seeds_on_each_starts_band(tmp_path, monkeypatch):
+    first, _ = _make_sweep_plan("study-headroom", tmp_path / "first", monkeypatch)
+    p, _ = _make_sweep_plan("study-headroom-confirm", tmp_path / "confirm", monkeypatch)
+    # planned and confirmatory: seeds the post hoc look (study-headroom's) never used, the long run only
+    assert len(p.seeds) == 3 and not set(p.seeds) & set(first.seeds)
+    assert sorted(c.max_steps for c in p.grpo.values()) == [200, 200] and [s.name for s in p.starts] == ["weak", "demo"]
+    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross"]
+    for st in p.starts:  # each start scored on the band it trains on, under one name
+        assert st.eval_set.name == "toy-band-seen" and Path(st.eval_set.data) == Path(st.data).resolve()
+    assert p.starts[0].data != p.starts[1].data
