@@ -38,6 +38,14 @@ def test_policy_model_is_an_output_of_its_run_and_ends_with_it(tmp_path, status,
     assert len(client.search_logged_models([got.info.experiment_id])) == 1
 
 
+def test_a_sweep_cells_run_name_becomes_a_valid_model_name():
+    """A sweep cell is named by its grid values (`grpo runs_tier=0.1 seed=0`); MLflow refuses '.', '/', ':' ... in a
+    LoggedModel's name, so those become '_' and the cell still gets its model."""
+    with _training_run() as run:
+        model_id = lineage.start_policy_model(run.info.run_id, "grpo runs_tier=0.1 base=org/m:v1 seed=0", "adapter")
+    assert mlflow.MlflowClient().get_logged_model(model_id).name == "grpo runs_tier=0_1 base=org_m_v1 seed=0"
+
+
 def test_an_evaluation_finds_the_model_of_the_run_that_trained_its_policy(tmp_path):
     with _training_run("sft") as sft:
         model_id = lineage.start_policy_model(sft.info.run_id, "sft", "policy")

@@ -10,11 +10,19 @@ the tag `slmsql.logged_model`, by which an evaluation finds the model of the pol
 
 from __future__ import annotations
 
+import re
+
 from . import tracking
 
 MODEL_TAG = "slmsql.logged_model"  # on a training run: the id of the LoggedModel of the policy it trained
 FILES_TAG = "slmsql.files"  # on a LoggedModel: the run artifact holding its files (runs:/<run id>/<path>)
 TYPE = "text2sql-policy"
+NOT_IN_NAMES = re.compile(r"[/:.%\"']")  # what MLflow refuses in a LoggedModel's name (a sweep cell: runs_tier=0.1)
+
+
+def model_name(run_name: str) -> str:
+    """The run's name as a LoggedModel may be named: each character MLflow refuses there becomes '_'."""
+    return NOT_IN_NAMES.sub("_", run_name)
 
 
 def start_policy_model(run_id: str, name: str, files: str) -> str:
@@ -30,7 +38,7 @@ def start_policy_model(run_id: str, name: str, files: str) -> str:
     if (have := run.data.tags.get(MODEL_TAG)):
         return have
     model = client.create_logged_model(
-        run.info.experiment_id, name=name, source_run_id=run_id, model_type=TYPE,
+        run.info.experiment_id, name=model_name(name), source_run_id=run_id, model_type=TYPE,
         tags={FILES_TAG: f"runs:/{run_id}/{files}", "slmsql.stage": run.data.tags.get("slmsql.stage", "")},
         params={k: v[:6000] for k, v in run.data.params.items()})
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
