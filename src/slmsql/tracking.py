@@ -98,15 +98,19 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             outbox.end_run("FINISHED")
 
 
-def provenance_tag(model: str) -> dict:
+def provenance_tag(model: str | list[str]) -> dict:
     """`slmsql.model_provenance` for a model whose files say where they came from (hub.provenance: e.g. weights
-    dequantized from a GGUF, not the Hub repo's own), so every run and the card say so."""
+    dequantized from a GGUF, not the Hub repo's own), so every run and the card say so. A list (a sweep's starts):
+    each start's that has one, once."""
     from .hub import provenance
 
-    record = provenance(model) if model else None
-    if not record:
-        return {}
-    return {"slmsql.model_provenance": "; ".join(str(record[k]) for k in ("note", "source") if record.get(k))}
+    said = []
+    for one in model if isinstance(model, (list, tuple)) else [model]:
+        record = provenance(one) if one else None
+        text = "; ".join(str(record[k]) for k in ("note", "source") if record.get(k)) if record else ""
+        if text and text not in said:
+            said.append(text)
+    return {"slmsql.model_provenance": " | ".join(said)} if said else {}
 
 
 # --- inputs by run URI: params hold `runs:/<id>/<path>`, stages read a local copy --------------------------
