@@ -222,7 +222,9 @@ def test_baseline_comparison(evals):
                  "only_a": "vs_baseline/only_this_right", "only_b": "vs_baseline/only_baseline_right"}
         for key, name in names.items():
             assert run.data.metrics[name] == pytest.approx(comp[key]), key
-        assert f"vs a: {100 * comp['ex_b']:.1f}% → {100 * comp['ex_a']:.1f}%" in run.data.tags["mlflow.note.content"]
+        baseline_link = f"[a](#/experiments/{run.info.experiment_id}/runs/{a_id})"  # the baseline, a link to its run
+        assert f"vs {baseline_link}: {100 * comp['ex_b']:.1f}% → {100 * comp['ex_a']:.1f}%" \
+            in run.data.tags["mlflow.note.content"]
         assert f": {comp['verdict']} at α = 0.05. {comp['only_a']} questions only this run got right, " \
             f"{comp['only_b']} only the baseline." in run.data.tags["mlflow.note.content"]
     assert runs["d"].data.tags["slmsql.verdict"] != runs["b"].data.tags["slmsql.verdict"]
