@@ -76,8 +76,10 @@ def main() -> None:
             mode = "workflowType=machine_learning"
             paired = children["eval-grpo-dev"].info.run_id
             pages = {  # name: (url, window size, crop box as fractions, width of the saved image)
-                # at 2600 px wide the grouped table fits; it ends at 2/3 of the window
-                "runs-table": (tracking.ui_link(exp.experiment_id, uri), (2600, 900), (0.076, 0.0, 0.7, 0.96), 1200),
+                # a laptop's 1600 px: the grouped table, each pair's verdict in one row, no horizontal scroll
+                "runs-table": (tracking.ui_link(exp.experiment_id, uri), (1600, 900), (0.0, 0.0, 1.0, 0.96), 1200),
+                # MLflow 3's Models tab: each policy's LoggedModel with its EX per eval set
+                "models-tab": (f"{base}/models?{mode}", (1600, 700), (0.0, 0.0, 1.0, 1.0), 1200),
                 "pipeline-run": (f"{base}/runs/{parent.info.run_id}?{mode}", (1800, 1100), (NAV, 0.0, PAGE, 0.8), 900),
                 "eval-run": (f"{base}/runs/{paired}/artifacts/disagreements_table.json?{mode}", (1800, 800),
                              (NAV, 0.0, PAGE, 0.72), 900),
