@@ -70,8 +70,7 @@ def main() -> None:
             children = {r.info.run_name: r for r in runs
                         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
             # this copy of the store shows the current view, whatever view the demo run saved
-            client.set_experiment_tag(exp.experiment_id, f"mlflow.sharedViewState.{tracking.VIEW_KEY}",
-                                      json.dumps(tracking.runs_view([parent.info.run_id])))
+            tracking.pin_view(exp.experiment_id, parent.info.run_id, client)
             base = f"{uri}/#/experiments/{exp.experiment_id}"
             mode = "workflowType=machine_learning"
             paired = children["eval-grpo-dev"].info.run_id

@@ -386,15 +386,15 @@ def runs_view(pinned: list[str] | None = None) -> dict:
                         "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.dataset"}]}}
 
 
-def pin_view(experiment_id: str, run_id: str) -> None:
+def pin_view(experiment_id: str, run_id: str, client=None) -> None:
     """slmsql's view, with `run_id` (a pipeline run) pinned on top: the view `ui_link` opens is slmsql's own
     (a user's views are saved under their own names), so the latest pipeline's headline comes first."""
     import json
 
     import mlflow
 
-    mlflow.MlflowClient().set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
-                                             json.dumps(runs_view([run_id])))
+    (client or mlflow.MlflowClient()).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
+                                                         json.dumps(runs_view([run_id])))
 
 
 def describe_experiment(experiment_id: str) -> None:
