@@ -86,10 +86,8 @@ def test_every_step_is_a_child_run_with_its_metrics_and_artifacts(lifecycle, mon
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
-    client = mlflow.MlflowClient()
-    exp = client.get_experiment_by_name("slmsql")
+    client, exp, parent, _ = _runs(uri)
     runs = client.search_runs([exp.experiment_id])
-    [parent] = [r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline"]
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert set(children) == {"toy", "tiny-model", "sft", "filter", "grpo", "eval-sft-dev", "eval-grpo-dev",
                              "eval-sft-dev_cross", "eval-grpo-dev_cross", "publish"}
@@ -117,9 +115,11 @@ def _runs(uri):
 
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("slmsql")
-    runs = client.search_runs([exp.experiment_id])
-    [parent] = [r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline"]
-    return client, exp, parent, {r.info.run_name: r for r in runs if r is not parent}
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+    # The fixture's pipeline run is the first; test_rerun_reuses_finished_steps (last in this module) adds another.
+    parent = next(r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline")
+    return client, exp, parent, {r.info.run_name: r for r in runs
+                                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
 
 
 @pytest.mark.slow
@@ -184,16 +184,6 @@ def test_card_states_the_measured_numbers(lifecycle):
     assert "| all fail | 0/8 |" in card and "| all pass | 8/8 |" in card
     ex = runs["eval-grpo-dev"].data.metrics["ex"]
     assert f"{100 * ex:.1f}%" in card
-
-
-@pytest.mark.slow
-def test_rerun_reuses_finished_steps(lifecycle):
-    uri, root, run, hub = lifecycle
-    assert run.returncode == 0, run.stderr[-4000:]
-    again = pipeline(uri, root, hub, timeout=600)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert again.stderr.count("reused run") == 10
-    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing
 
 
 @pytest.mark.slow
@@ -263,11 +253,17 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
         assert trained.data.tags[lineage.MODEL_TAG] == model.model_id
         assert model.tags[lineage.FILES_TAG] == f"runs:/{trained.info.run_id}/{files}"
         ex = {m.dataset_name: (m.value, m.dataset_digest, m.run_id) for m in model.metrics if m.key == "ex"}
+        assert {m.key for m in model.metrics} == {"ex"}  # the Models tab: one column per eval set
         assert set(ex) == {"toy-dev", "toy-dev_cross"}
         for split in ("dev", "dev_cross"):
             evaluation = c[f"eval-{stage}-{split}"]
             [digest] = {i.dataset.digest for i in evaluation.inputs.dataset_inputs if i.dataset.name == f"toy-{split}"}
             assert ex[f"toy-{split}"] == (evaluation.data.metrics["ex"], digest, evaluation.info.run_id)
+    # each run that sampled or scored a policy names its model as an input
+    used = {name: [i.model_id for i in client.get_run(c[name].info.run_id).inputs.model_inputs]
+            for name in ("filter", "eval-sft-dev", "eval-grpo-dev_cross")}
+    assert used == {"filter": [models["sft"].model_id], "eval-sft-dev": [models["sft"].model_id],
+                    "eval-grpo-dev_cross": [models["grpo"].model_id]}
     # ranked on toy-dev; through the REST server (mlflow 3.17.2) a datasets clause without its digest matches no
     # model (the request carries an empty digest), so it names both, as the Models tab's dataset filter does
     dev_digest = ex["toy-dev"][1]
@@ -301,7 +297,7 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
                 artifacts(run_id, f.path)
 
     scan("experiment tags", exp.tags)
-    for r in [parent, *children.values()]:
+    for r in client.search_runs([exp.experiment_id]):  # every run in the store, not only the pipeline's
         name = r.info.run_name
         for k, v in r.data.params.items():
             if k != "output_dir":
@@ -335,17 +331,35 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
 
 
 @pytest.mark.slow
-def test_the_view_pins_the_headline_and_every_pair_states_its_verdict(lifecycle):
-    """The link the pipeline prints opens slmsql's view with the pipeline run pinned first, carrying every eval
-    set's GRPO-vs-SFT result, each the result tag of that set's GRPO evaluation."""
+def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(lifecycle):
+    """The link the pipeline prints opens slmsql's view: grouped by eval set in the order runs started, so the
+    pipeline run, grouped under the eval sets of its headline, is the first group; it carries every eval set's
+    GRPO-vs-SFT result, each the result tag of that set's GRPO evaluation."""
     from slmsql import tracking
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, c = _runs(uri)
     view = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
-    assert view["runsPinned"] == [parent.info.run_id]
+    assert (view["orderByKey"], view["orderByAsc"]) == ("attributes.start_time", True)
+    assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": tracking.GROUP_BY}]
+    grouped = client.search_runs([exp.experiment_id], f"tags.`{tracking.GROUP_BY}` != ''",
+                                 order_by=["attributes.start_time ASC"])
+    assert grouped[0].info.run_id == parent.info.run_id  # the UI orders groups by their first run
+    assert parent.data.tags[tracking.GROUP_BY] == "toy-dev, toy-dev_cross"
     assert parent.data.tags[tracking.RESULT] == "; ".join(
         f"{split} GRPO vs SFT: {c[f'eval-grpo-{split}'].data.tags[tracking.RESULT]}" for split in ("dev", "dev_cross"))
     assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
     assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too
+
+
+@pytest.mark.slow
+def test_rerun_reuses_finished_steps(lifecycle):
+    """Last in this module: it adds a second pipeline run to the fixture's store."""
+    uri, root, run, hub = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    again = pipeline(uri, root, hub, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.count("reused run") == 10
+    assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing
+
