@@ -375,26 +375,34 @@ VIEW_COLUMNS = ("tags.`slmsql.stage`", f"tags.`{RESULT}`", "metrics.`band`",
                 "metrics.`summary/exec/frac_groups_correctness_varies`", "metrics.`summary/frac_reward_zero_std`")
 
 
-def runs_view(pinned: list[str] | None = None) -> dict:
-    """slmsql's runs-table view: runs grouped by eval set (tag `slmsql.dataset`: each SFT/GRPO pair side by side,
-    the runs without one in the UI's remaining group), with each run's result as a formatted tag and the training
-    runs' signal metrics. No evaluation metric column: a group row would average SFT and GRPO into a number that
-    means nothing. `pinned`: runs shown first (the pipeline's, with its headline)."""
+GROUP_BY = "slmsql.dataset"  # an evaluation's eval set; on a pipeline run, the eval sets of its headline
+# The UI's id of the group of runs without the grouping tag (training runs, sweep parents): "<mode>.<tag>"
+# (mlflow/server/js, experiment page row utils). It always comes last; opened, it shows the training runs' signal.
+UNGROUPED = f"tag.{GROUP_BY}"
+
+
+def runs_view() -> dict:
+    """slmsql's runs-table view: runs grouped by eval set (tag `slmsql.dataset`: each SFT/GRPO pair side by side),
+    in the order they started, so a pipeline's headline (its run starts first and carries the eval sets it
+    sums up) is the first group and each pair reads baseline then GRPO; the runs without an eval set last, open.
+    Each run's result is a formatted tag, beside the training runs' signal metrics. No evaluation metric column:
+    a group row would average SFT and GRPO into a number that means nothing. (The UI does not take pinned runs
+    from a saved view, so order is the only way to put the headline first.)"""
     return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL",
-            "columnWidths": {f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90}, "runsPinned": list(pinned or []),
-            "groupBy": {"aggregateFunction": "max",
-                        "groupByKeys": [{"mode": "tag", "groupByData": "slmsql.dataset"}]}}
+            "columnWidths": {f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90},
+            "orderByKey": "attributes.start_time", "orderByAsc": True, "groupsExpanded": {UNGROUPED: True},
+            "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_BY}]}}
 
 
-def pin_view(experiment_id: str, run_id: str, client=None) -> None:
-    """slmsql's view, with `run_id` (a pipeline run) pinned on top: the view `ui_link` opens is slmsql's own
-    (a user's views are saved under their own names), so the latest pipeline's headline comes first."""
+def save_view(experiment_id: str, client=None) -> None:
+    """Write slmsql's view, replacing an older one: the view `ui_link` opens is slmsql's own (a user's views are
+    saved under their own names)."""
     import json
 
     import mlflow
 
     (client or mlflow.MlflowClient()).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
-                                                         json.dumps(runs_view([run_id])))
+                                                         json.dumps(runs_view()))
 
 
 def describe_experiment(experiment_id: str) -> None:
