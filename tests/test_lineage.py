@@ -58,6 +58,31 @@ def test_an_evaluation_finds_the_model_of_the_run_that_trained_its_policy(tmp_pa
     assert lineage.model_of(f"runs:/{'c' * 32}/policy") is None  # no such run in this store
 
 
+def test_a_model_no_run_trained_is_one_external_model_for_every_run_that_uses_it(tmp_path, monkeypatch):
+    """A Hub model evaluated zero-shot (or a folder in the project) has no training run: its EX goes to an external
+    LoggedModel named by its Hub id or project path, found again by the next run; a folder outside the project,
+    an adapter of unknown origin or a predictions file get none (no name that means the same elsewhere)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with mlflow.start_run() as run:
+        exp = run.info.experiment_id
+        hub = lineage.policy_model(exp, hub_id)
+        assert lineage.policy_model(exp, hub_id) == hub  # found again, not a second model
+        local = lineage.policy_model(exp, str(tmp_path / "models" / "base"))
+        lineage.log_model_input(run.info.run_id, hub)
+    client = mlflow.MlflowClient()
+    model = client.get_logged_model(hub)
+    assert (model.name, str(model.status), model.tags[lineage.FILES_TAG]) == (
+        "HuggingFaceTB_SmolLM2-135M-Instruct", "READY", hub_id)
+    assert client.get_logged_model(local).tags[lineage.FILES_TAG] == "models/base"
+    assert lineage.policy_model(exp, "/elsewhere/model") is None
+    assert lineage.policy_model(exp, hub_id, "/some/adapter") is None
+    assert lineage.policy_model(exp, "") is None
+    assert [i.model_id for i in client.get_run(run.info.run_id).inputs.model_inputs] == [hub]
+    assert len(client.search_logged_models([exp])) == 2
+
+
 def test_descriptions_link_related_runs_once_however_often_linked():
     from slmsql import descriptions, tracking
 

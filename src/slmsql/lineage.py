@@ -10,6 +10,7 @@ the tag `slmsql.logged_model`, by which an evaluation finds the model of the pol
 
 from __future__ import annotations
 
+import os
 import re
 
 from . import tracking
@@ -17,6 +18,9 @@ from . import tracking
 MODEL_TAG = "slmsql.logged_model"  # on a training run: the id of the LoggedModel of the policy it trained
 FILES_TAG = "slmsql.files"  # on a LoggedModel: the run artifact holding its files (runs:/<run id>/<path>)
 TYPE = "text2sql-policy"
+# An evaluation's metrics that are its model's on that eval set: EX, one column per eval set in the Models tab (each
+# metric there is a 200 px column per eval set); its interval, counts and paired test stay the evaluation run's.
+MODEL_METRICS = ("ex",)
 NOT_IN_NAMES = re.compile(r"[/:.%\"']")  # what MLflow refuses in a LoggedModel's name (a sweep cell: runs_tier=0.1)
 
 
@@ -68,3 +72,43 @@ def model_of(model: str, adapter: str = "") -> str | None:
         return mlflow.MlflowClient().get_run(run_id).data.tags.get(MODEL_TAG)
     except MlflowException:
         return None
+
+
+def policy_model(experiment_id: str, model: str, adapter: str = "") -> str | None:
+    """The LoggedModel of the policy a run samples or scores: the trained policy's (`model_of`); for a model no run
+    here trained, used as it is (a Hub model zero-shot, a folder in the project), an external LoggedModel named
+    after it (`external_model`); None for a predictions file, an adapter of unknown origin, or a folder outside
+    the project (an absolute path of this machine names nothing elsewhere)."""
+    if not model:
+        return None
+    if trained_by(model, adapter) is not None:
+        return model_of(model, adapter)
+    ref = tracking.portable(model)
+    if adapter or os.path.isabs(ref):
+        return None
+    return external_model(experiment_id, ref)
+
+
+def external_model(experiment_id: str, ref: str) -> str:
+    """The LoggedModel (READY, no files of ours) of a model slmsql did not train, named by `ref` (a Hub id or a
+    project path) in its tag `slmsql.files`, by which every later run finds the same one."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    client = mlflow.MlflowClient()
+    if "'" not in ref:  # a quote cannot be written in a search filter; such a model gets one model per run
+        for found in client.search_logged_models([experiment_id], filter_string=f"tags.`{FILES_TAG}` = '{ref}'"):
+            return found.model_id
+    model = client.create_logged_model(experiment_id, name=model_name(ref), model_type=TYPE,
+                                       tags={FILES_TAG: ref, "slmsql.stage": "external"})
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    return model.model_id
+
+
+def log_model_input(run_id: str, model_id: str | None) -> None:
+    """Record `model_id` as what the run used (its policy): the model's page lists the run, the run's the model."""
+    import mlflow
+    from mlflow.entities import LoggedModelInput
+
+    if model_id:
+        mlflow.MlflowClient().log_inputs(run_id, models=[LoggedModelInput(model_id)])

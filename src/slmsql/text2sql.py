@@ -202,5 +202,7 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
         else:
             client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
         raise
+    finally:  # Model.log makes the model "active": the run's later metrics (publish's) would be filed under it
+        mlflow.clear_active_model()
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     return info.model_uri, False

@@ -102,7 +102,12 @@ def main(cfg: EvaluateConfig) -> dict:
         write_jsonl(work_dir / "results.jsonl", results)
         write_json(work_dir / "metrics.json", metrics)
         # EX is a metric of the evaluated policy's LoggedModel on this eval set (the experiment's Models tab)
-        mlflow.log_metrics(tracking.numeric(metrics), model_id=lineage.model_of(cfg.model, cfg.adapter), dataset=data)
+        numeric = tracking.numeric(metrics)
+        model_id = None if cfg.predictions else lineage.policy_model(run.info.experiment_id, cfg.model, cfg.adapter)
+        lineage.log_model_input(run.info.run_id, model_id)
+        mlflow.log_metrics({k: v for k, v in numeric.items() if k in lineage.MODEL_METRICS}, model_id=model_id,
+                           dataset=data)
+        mlflow.log_metrics({k: v for k, v in numeric.items() if k not in lineage.MODEL_METRICS})
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         result = wording.result(comparison) if comparison else wording.ex_result(metrics)
         mlflow.set_tag(tracking.RESULT, result)

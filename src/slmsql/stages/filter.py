@@ -30,7 +30,7 @@ def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, descriptions, engines, promptcheck, tracking
+    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking
     from ..models import check_adapter_base, load_tokenizer
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
@@ -56,6 +56,7 @@ def main(cfg: FilterConfig) -> dict:
                                 system_metrics=True) as run:
         st.bind(run.info.run_id)
         mlflow.log_metrics(token_metrics)
+        lineage.log_model_input(run.info.run_id, lineage.policy_model(run.info.experiment_id, cfg.model, cfg.adapter))
         work_dir, out = st.work, st.out
         done = load_finished(work_dir / "passrates.jsonl", examples)
         todo = [e for e in examples if e.id not in done]

@@ -215,7 +215,6 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
     for key, value in tags.items():
         mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
     mlflow.set_tags(tags)
-    mlflow.log_metric("hub_new_commit", float(hub["new_commit"]))
     model = runs.grpo.data.tags.get("slmsql.model", "")
     model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
                     "greedy": True, "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
@@ -227,6 +226,9 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
         model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir,
                                     into=runs.grpo.data.tags.get(MODEL_TAG))
     result.update(text2sql_model=model_uri)
+    # The push's metric is this run's, not the model's: logged after the model (Model.log copies the run's metrics
+    # of its step into the model) and by the client (mlflow.log_metric files it under the run's output models).
+    mlflow.MlflowClient().log_metric(mlflow.active_run().info.run_id, "hub_new_commit", float(hub["new_commit"]))
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:
         result.update(register(name, cfg, {**hub, "base_commit": result.get("base_hub_commit")}, model_uri))
