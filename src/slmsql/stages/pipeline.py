@@ -39,7 +39,7 @@ def main(cfg: PipelineConfig) -> dict:
             for split in SPLITS:
                 evals[f"zeroshot-{split}"] = s.run("evaluate", f"eval-zeroshot-{split}", model=base,
                                                    data=f"{world}/{split}.jsonl", db_root=dbs,
-                                                   dataset_name=f"toy-{split}")
+                                                   dataset_name=eval_set(split))
         else:
             base = s.uri(s.run("tiny-model", "tiny-model", data=world), "model")
         sft = s.run("sft", "sft", model=base, data=f"{world}/sft.jsonl", db_root=dbs)
@@ -56,9 +56,9 @@ def main(cfg: PipelineConfig) -> dict:
             data = f"{world}/{split}.jsonl"
             zeroshot = evals.get(f"zeroshot-{split}")
             base_eval = s.run("evaluate", f"eval-sft-{split}", **policy, data=data, db_root=dbs,
-                              dataset_name=f"toy-{split}", baseline_run=zeroshot.info.run_id if zeroshot else "")
+                              dataset_name=eval_set(split), baseline_run=zeroshot.info.run_id if zeroshot else "")
             evals[split] = s.run("evaluate", f"eval-grpo-{split}", model=policy["model"], adapter=adapter,
-                                 data=data, db_root=dbs, dataset_name=f"toy-{split}",
+                                 data=data, db_root=dbs, dataset_name=eval_set(split),
                                  baseline_run=base_eval.info.run_id)
             evals[f"sft-{split}"] = base_eval
         push = {"dry_run": "false", "endpoint": cfg.hub_endpoint} if cfg.push else {"dry_run": "true"}
@@ -73,7 +73,7 @@ def main(cfg: PipelineConfig) -> dict:
         # sets (a group of its own, first in slmsql's view: this run started before its steps)
         mlflow.set_tags({tracking.RESULT: "; ".join(f"{split} GRPO vs SFT: {evals[split].data.tags.get(tracking.RESULT)}"
                                                     for split in SPLITS),
-                         tracking.GROUP_BY: ", ".join(evals[split].data.tags[tracking.GROUP_BY] for split in SPLITS)})
+                         tracking.GROUP_BY: ", ".join(eval_set(split) for split in SPLITS)})
         tracking.save_view(s.experiment_id)
         by_policy = {name: {split: evals[f"{name}-{split}"] for split in SPLITS if f"{name}-{split}" in evals}
                      for name in ("zeroshot", "sft")} | {"grpo": {split: evals[split] for split in SPLITS}}
@@ -85,6 +85,11 @@ def main(cfg: PipelineConfig) -> dict:
 
 
 SPLITS = ("dev", "dev_cross")
+
+
+def eval_set(split: str) -> str:
+    """The name an evaluation of the toy world's `split` logs its dataset under (the runs view groups by it)."""
+    return f"toy-{split}"
 HEADLINE = {  # step -> the metrics of it the parent run carries, as `<step>/<metric>` (vocabulary.VOCABULARY)
     "filter": ("n_source", "band", "all_fail", "all_pass", "out_of_band", "errors"),
     "grpo": ("summary/frac_reward_zero_std", "summary/reward_std", "summary/exec/frac_groups_correctness_varies"),
