@@ -85,11 +85,6 @@ def main(cfg: PipelineConfig) -> dict:
 
 
 SPLITS = ("dev", "dev_cross")
-
-
-def eval_set(split: str) -> str:
-    """The name an evaluation of the toy world's `split` logs its dataset under (the runs view groups by it)."""
-    return f"toy-{split}"
 HEADLINE = {  # step -> the metrics of it the parent run carries, as `<step>/<metric>` (vocabulary.VOCABULARY)
     "filter": ("n_source", "band", "all_fail", "all_pass", "out_of_band", "errors"),
     "grpo": ("summary/frac_reward_zero_std", "summary/reward_std", "summary/exec/frac_groups_correctness_varies"),
@@ -129,3 +124,8 @@ def print_headline(h: dict, verdicts: dict, card: Path, link: str, model: str) -
               "  MLflow UI      : .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (or your server),",
               f"                   then open {link}", ""]
     print("\n".join(lines), flush=True)
+
+
+def eval_set(split: str) -> str:
+    """The name an evaluation of the toy world's `split` logs its dataset under (the runs view groups by it)."""
+    return f"toy-{split}"
