@@ -340,7 +340,9 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, c = _runs(uri)
-    view = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    saved = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    view = json.loads(saved["state"])  # in the envelope that lists it in the views menu by name
+    assert saved["name"] == "slmsql"
     assert (view["orderByKey"], view["orderByAsc"]) == ("attributes.start_time", True)
     assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": tracking.GROUP_BY}]
     grouped = client.search_runs([exp.experiment_id], f"tags.`{tracking.GROUP_BY}` != ''",
