@@ -8,6 +8,8 @@ A store written through a server records artifacts as `mlflow-artifacts:/` URIs,
 the machine that ran it. Starts a real `mlflow server` on loopback on a copy of the store and its artifacts (the
 demo's own are not touched), drives headless Chromium (`apt-get install chromium` on Debian) over the DevTools
 protocol and saves:
+  views-menu.png     from Home (the sidebar switch set to Model training): the experiment's Training runs, its
+                     Views menu open on slmsql's view
   runs-table.png     the experiment's runs table as `ui_link` opens it (grouped by eval set, slmsql's columns)
   models-tab.png     MLflow 3's Models tab: each policy's LoggedModel with its EX per eval set
   pipeline-run.png   the pipeline run's overview: its description (the headline), metrics and verdict tags
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from devtools import Chromium, binary  # noqa: E402  (the DevTools client the browser test uses too)
+from devtools import Chromium, binary, views_menu_from_home  # noqa: E402  (the DevTools client the browser test uses too)
 
 SETTLE_S = 2  # after the data is in, for the layout to settle before a picture (a picture only: no test waits)
 
@@ -88,6 +90,10 @@ def main() -> None:
                              "gold_sql", 0.75, 0),
             }
             sizes = {}
+            views_menu_from_home(browser, uri, exp.experiment_id, (1600, 900))
+            time.sleep(SETTLE_S)
+            browser.shoot(tmp / "views-menu.raw.png")
+            sizes["views-menu"] = shrink(tmp / "views-menu.raw.png", out / "views-menu.png", (0.0, 0.0, 1.0, 0.5), 1200)
             for name, (url, size, ready, bottom, scroll) in pages.items():
                 raw = tmp / f"{name}.raw.png"
                 browser.open(url, size, ready)

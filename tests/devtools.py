@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+# MLflow 3.17's saved-views menu button above the runs table
+VIEWS_MENU = "document.querySelector('[data-component-id=\"mlflow.experiment_page.saved_views.trigger\"]')"
 # MLflow 3.17 opens its assistant panel (a third of the window) on a local server's first visit; a user closes
 # it once and the UI remembers. Its Close button, clicked on each page.
 CLOSE_ASSISTANT = "document.querySelector('[data-component-id=\"mlflow.assistant.chat_panel.close\"]')?.click()"
@@ -133,3 +135,17 @@ class Chromium:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def views_menu_from_home(browser: Chromium, uri: str, experiment_id: str, size: tuple[int, int]) -> None:
+    """The docs' first step in MLflow 3.17's UI, as a newcomer clicks it: Home, the sidebar's switch set to
+    "Model training" (the browser remembers it), the experiment (it then opens on Training runs), the Views menu
+    above the runs table opened."""
+    link = f"document.querySelector('a[href=\"#/experiments/{experiment_id}\"]')"
+    browser.open(f"{uri}/", size, "Model training")
+    browser.js("[...document.querySelectorAll('[role=button]')].find(e => e.innerText === 'Model training').click()")
+    browser.wait(f"!!{link}", 30, "the experiment's link on Home")
+    browser.js(f"{link}.click()")
+    browser.wait(f"location.hash.includes('/runs') && !!{VIEWS_MENU}", 30, "Training runs and its Views menu")
+    browser.js(f"{VIEWS_MENU}.dispatchEvent(new PointerEvent('pointerdown', {{bubbles: true, button: 0}}))")
+    browser.wait("!!document.querySelector('[role=menu]')", 30, "the Views menu")

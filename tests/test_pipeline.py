@@ -378,6 +378,8 @@ def test_the_ui_shows_the_verdicts_the_ex_columns_and_the_candidate(lifecycle, t
 
 def ui_checks(browser, uri: str, link: str) -> None:
     """The browser test's checks, against the pipeline's store behind `uri`."""
+    from devtools import views_menu_from_home
+
     from slmsql import tracking
 
     client, exp, parent, c = _runs(uri)
@@ -394,15 +396,8 @@ def ui_checks(browser, uri: str, link: str) -> None:
         return {run_id: browser.wait(cells(run_id, result), 60, f"the result cell of run {run_id}")
                 for run_id in verdicts}
 
-    # From Home, as the docs' first step says: the sidebar's workflow switch (the browser remembers it), the
-    # experiment (it opens on Training runs), slmsql's view from the Views menu
-    browser.open(f"{uri}/", size, "slmsql")
-    browser.js("[...document.querySelectorAll('[role=button]')].find(e => e.innerText === 'Model training').click()")
-    browser.wait(f"!!document.querySelector('a[href=\"#/experiments/{exp.experiment_id}\"]')", 30, "the experiment link")
-    browser.js(f"document.querySelector('a[href=\"#/experiments/{exp.experiment_id}\"]').click()")
-    trigger = "document.querySelector('[data-component-id=\"mlflow.experiment_page.saved_views.trigger\"]')"
-    browser.wait(f"location.hash.includes('/runs') && !!{trigger}", 30, "Training runs and its Views menu")
-    browser.js(f"{trigger}.dispatchEvent(new PointerEvent('pointerdown', {{bubbles: true, button: 0}}))")
+    # From Home, as the docs' first step says, to slmsql's view in the Views menu
+    views_menu_from_home(browser, uri, exp.experiment_id, size)
     item = f"[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.trim() === {tracking.VIEW_KEY!r})"
     browser.wait(f"!!{item}", 30, "slmsql in the Views menu")
     browser.js(f"{item}.click()")
