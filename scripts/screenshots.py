@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from devtools import Chromium, binary, views_menu_from_home  # noqa: E402  (the DevTools client the browser test uses too)
+# the DevTools client the browser test uses too
+from devtools import Chromium, binary, views_menu_from_home  # noqa: E402
 
 SETTLE_S = 2  # after the data is in, for the layout to settle before a picture (a picture only: no test waits)
 

@@ -197,28 +197,35 @@ def write_folder(work: Path, cfg: PublishConfig, runs: cards.Runs, adapter: Path
         (work / "base" / "README.md").write_text(base_card, encoding="utf-8")
 
 
+def push_all(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs) -> dict:
+    """The pushes (base first) and the Hub facts on the GRPO run and this one."""
+    import mlflow
+
+    result, tags = {}, {}
+    if runs.base is not None:
+        base = push(cfg, token, out / "base", repo_id=cfg.base_repo,
+                    message=f"Base model of the GRPO adapter {cfg.repo_id} (slmsql publish)",
+                    description=f"The base {tracking.portable(runs.base.path)} the adapter of MLflow run "
+                                f"{cfg.grpo_run} was trained on")
+        result.update({f"base_{k}": v for k, v in base.items()})
+        tags.update({"slmsql.base_hub_url": base["hub_url"], "slmsql.base_hub_commit": base["hub_commit"]})
+    hub = push(cfg, token, out, ignore=("base/*",))
+    result.update(hub)
+    tags.update({"slmsql.hub_url": hub["hub_url"], "slmsql.hub_commit": hub["hub_commit"]})
+    for key, value in tags.items():
+        mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
+    mlflow.set_tags(tags)
+    return result
+
+
 def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, name: str | None) -> dict:
-    """The pushes (base first) and the Hub facts on the GRPO run, unless --dry-run; then, either way, the text2sql
-    model and its registry version (a dry run's says it was not pushed: no Hub tags)."""
+    """The pushes unless --dry-run; then, either way, the text2sql model and its registry version (a dry run's
+    made from the written folder, tagged as not pushed)."""
     import mlflow
 
     from ..text2sql import log_text2sql, stage_base
 
-    result, tags = {}, {}
-    if not cfg.dry_run:
-        if runs.base is not None:
-            base = push(cfg, token, out / "base", repo_id=cfg.base_repo,
-                        message=f"Base model of the GRPO adapter {cfg.repo_id} (slmsql publish)",
-                        description=f"The base {tracking.portable(runs.base.path)} the adapter of MLflow run "
-                                    f"{cfg.grpo_run} was trained on")
-            result.update({f"base_{k}": v for k, v in base.items()})
-            tags.update({"slmsql.base_hub_url": base["hub_url"], "slmsql.base_hub_commit": base["hub_commit"]})
-        hub = push(cfg, token, out, ignore=("base/*",))
-        result.update(hub)
-        tags.update({"slmsql.hub_url": hub["hub_url"], "slmsql.hub_commit": hub["hub_commit"]})
-        for key, value in tags.items():
-            mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
-        mlflow.set_tags(tags)
+    result = {} if cfg.dry_run else push_all(cfg, token, out, runs)
     model = runs.grpo.data.tags.get("slmsql.model", "")
     if hub_id(model) is None and runs.base is None:  # a dry run only: gather refuses to push such a base
         log.warning("no text2sql model and no registry version: its base %r is a local checkpoint (give "
