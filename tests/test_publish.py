@@ -620,20 +620,24 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
     card = (tmp_path / "out" / "README.md").read_text()
     assert front_matter(card)["base_model"] == str(world["root"] / "sft-policy")
     assert "the local checkpoint `" in card and "could be written, not pushed" in caplog.text
+    assert "## RL data" not in card and "claims no gain and no loss" in card  # no filter run, no baseline
     # no base a served model could load (no --base-repo names its weights): nothing registered, and said so
     assert "no text2sql model and no registry version" in caplog.text
     import mlflow
 
     assert mlflow.MlflowClient().search_registered_models() == []
-    # with --base-repo (as `make demo` runs it): the candidate holds the local base's weights, nothing is sent
-    dry = main(config(store, tmp_path, dry_run=True, overwrite=True, base_repo=BASE_REPO, **local))
+    # with --base-repo, as `make demo` runs it (in a process of its own, by the CLI): the candidate holds the
+    # local base's weights, nothing is sent
+    dry = config(store, tmp_path, dry_run=True, base_repo=BASE_REPO, **local)
+    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", *cli_args(dry), "--base-repo", BASE_REPO,
+                           "--dry-run", "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     version = mlflow.MlflowClient().get_model_version_by_alias("tiny-grpo", "candidate")
-    assert version.source == dry["text2sql_model"] and version.tags["base_repo"] == BASE_REPO
+    assert version.run_id == store["local_grpo"] and version.tags["base_repo"] == BASE_REPO
     assert "base_commit" not in version.tags and "pushed" in version.tags
     model_dir = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
     policy = world["root"] / "sft-policy"
     assert all((model_dir / "artifacts/tiny-sft" / p.name).read_bytes() == p.read_bytes() for p in policy.iterdir())
-    assert "## RL data" not in card and "claims no gain and no loss" in card  # no filter run, no baseline
 
     assert hub.requests == []
     monkeypatch.setenv("HF_TOKEN", hub.token)
