@@ -10,7 +10,7 @@ Two engines, one contract, the same rows:
   double-counts one.
 
 Rows do not depend on the engine or on how the questions are split: sampled completions are seeded by
-(seed, question id, sample index) (`generation.sample_seed`), scoring is deterministic, and each row holds
+(seed, question id, sample index) (`seeds.sample_seed`), scoring is deterministic, and each row holds
 one whole question (its K samples are aggregated where they are scored). The driver writes rows as they
 arrive (`on_rows`), which is what lets a killed driver resume from the questions already finished.
 

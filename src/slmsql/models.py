@@ -157,6 +157,15 @@ def adapter_folder(adapter: str | os.PathLike) -> Path:
     return _hub_files(str(adapter), [*ADAPTER_FILES, f"{STACK_BASE}/*"])
 
 
+def policy_folder(model: str, adapter: str | None = None) -> Path | None:
+    """Where a policy's records lie: its adapter's folder (downloaded when a Hub id), else the model's folder
+    when it is local (a Hub model is a base: nothing trained it here)."""
+    if adapter:
+        return adapter_folder(adapter)
+    path = Path(str(model)).expanduser()
+    return path if path.is_dir() else None
+
+
 def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> None:
     """Raise SlmsqlError if `adapter` is missing, was trained on a base other than `model`, or was stacked on an
     adapter it no longer carries (see the module docstring). Loads no weights."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from .errors import SlmsqlError
+from .seeds import sample_seed
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -152,8 +153,6 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
              batch_size: int, progress: bool) -> list[list[str]]:
     """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate)."""
     from vllm import SamplingParams
-
-    from .generation import sample_seed
 
     sampling = temperature > 0
     n = k if sampling else 1

@@ -61,14 +61,14 @@ def main(cfg: EvaluateConfig) -> dict:
         tracking.configure()
         baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
     from .. import engines, promptcheck
-    from ..models import load_tokenizer
+    from ..models import load_tokenizer, policy_folder
 
     work = engines.Work("evaluate", cfg)
     engines.check_settings(work, generating=not cfg.predictions)
     prompt, token_metrics = {}, {}
     if not cfg.predictions:  # the policy's prompt settings and the prompts' token budget, before the model loads
         prompt, token_metrics = promptcheck.preflight(
-            cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+            cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
             new_tokens=cfg.max_new_tokens)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,

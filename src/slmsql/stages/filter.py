@@ -31,7 +31,7 @@ def main(cfg: FilterConfig) -> dict:
     from tqdm import tqdm
 
     from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking
-    from ..models import check_adapter_base, load_tokenizer
+    from ..models import check_adapter_base, load_tokenizer, policy_folder
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
@@ -42,7 +42,7 @@ def main(cfg: FilterConfig) -> dict:
     work = engines.Work("filter", cfg)
     engines.check_settings(work, generating=True)
     prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
         new_tokens=cfg.max_new_tokens)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would

@@ -48,7 +48,7 @@ def main(cfg: GRPOStageConfig) -> dict:
 
     from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards, tables,
                     tracking, training)
-    from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
+    from ..models import check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -61,7 +61,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
     prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.base_adapter),
+        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.base_adapter),
         new_tokens=cfg.max_completion_length)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it

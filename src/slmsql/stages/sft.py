@@ -33,7 +33,7 @@ def main(cfg: SFTStageConfig) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from .. import descriptions, distributed, durable, lineage, promptcheck, tokens, tracking, training
-    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
+    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
 
     # args: every check before any model loads, the token budget and the prompt settings included
     examples = read_gold(cfg.data)
@@ -43,7 +43,7 @@ def main(cfg: SFTStageConfig) -> dict:
         check_adapter_base(cfg.base_adapter, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     prompt = promptcheck.settings(cfg, tokenizer)
-    promptcheck.check_trained_with(promptcheck.policy_folder(cfg.model, cfg.base_adapter), prompt,
+    promptcheck.check_trained_with(policy_folder(cfg.model, cfg.base_adapter), prompt,
                                    cfg.allow_prompt_change)
     rows = conversations(cfg, examples)
     keep, token_metrics = tokens.check_sft(tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
