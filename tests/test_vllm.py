@@ -21,7 +21,7 @@ import pytest
 from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, generation, models, vllm_engine
+from slmsql import configs, engines, generation, models, vllm_engine
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
@@ -65,6 +65,44 @@ def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_m
         _refused(stage, cls, {**base, "top_p": 0.9, "min_p": 0.05}, "top_p and min_p")
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     _refused(stage, cls, base, "needs vLLM")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    """A tiny model folder (config, tokenizer, weights) for the tests that stand a fake in for vLLM."""
+    return models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", ["How many items?", "SELECT 1"],
+                                   vocab_size=300, hidden=32, layers=1, heads=2, ffn=64)
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    """vllm_engine.load against a stand-in vLLM: the keyword arguments of every vllm.LLM built, in order."""
+    import types
+
+    built = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    request = types.SimpleNamespace(LoRARequest=lambda name, number, path: ("lora", path))
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: types.SimpleNamespace(
+        LLM=LLM, lora=types.SimpleNamespace(request=request)))
+    return built
+
+
+def _vllm_cfg(model, **args):
+    return configs.load(configs.EvaluateConfig, None, {"data": "unused", "db_root": "unused", "model": str(model),
+                                                       "backend": "vllm", **args})
+
+
+def test_a_fractional_gpu_share_claims_that_share_of_vllms_gpu_memory(tiny_lm, fake_llm):
+    """Ray actors sharing a GPU (--ray-gpus-per-generator 0.5) each claim their share of vLLM's default 90%,
+    not 90% each; a whole GPU, the local engine and CPUs keep vLLM's default."""
+    assert [engines.gpu_memory_utilization(g) for g in (0, 0.25, 0.5, 1, 2)] == [None, 0.225, 0.45, None, None]
+    for engine, gpus, want in (("ray", 0.5, 0.45), ("ray", 0.25, 0.225), ("ray", 1, None), ("local", 0.5, None)):
+        engines.Work("evaluate", _vllm_cfg(tiny_lm, engine=engine, ray_gpus_per_generator=gpus)).load_policy(longest=8)
+        assert fake_llm[-1].get("gpu_memory_utilization") == want, (engine, gpus)
 
 
 # ---- real vLLM ----------------------------------------------------------------------------------------------

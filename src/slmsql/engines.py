@@ -48,7 +48,8 @@ class Work:
         tokenizer = models.load_tokenizer(self.cfg.model)
         if longest is None:
             longest = self.longest_prompt(examples, tokenizer)
-        return vllm_engine.load(self.cfg, longest, tokenizer)
+        share = self.cfg.ray_gpus_per_generator if self.cfg.engine == "ray" else 0.0
+        return vllm_engine.load(self.cfg, longest, tokenizer, gpu_memory_utilization=gpu_memory_utilization(share))
 
     def longest_prompt(self, examples: list[Example], tokenizer) -> int:
         """Tokens in the longest prompt generate() will build for `examples` (0: none)."""
@@ -94,6 +95,16 @@ class Work:
         from .sandbox import Limits
 
         return Limits(timeout_s=self.cfg.timeout_s)
+
+
+VLLM_GPU_MEMORY = 0.9  # vLLM's default gpu_memory_utilization: the share of a whole GPU an engine claims
+
+
+def gpu_memory_utilization(gpus: float) -> float | None:
+    """vLLM's gpu_memory_utilization for an engine given `gpus` of a GPU (a Ray actor's num_gpus): a fraction
+    claims that fraction of vLLM's default, so the engines sharing a GPU fit beside each other (two at 0.5:
+    0.45 each); None (vLLM's default) for a whole GPU or more, and where none is reserved (local, CPU)."""
+    return round(VLLM_GPU_MEMORY * gpus, 4) if 0 < gpus < 1 else None
 
 
 def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], None], *,

@@ -106,8 +106,9 @@ class Engine:
     max_model_len: int
 
 
-def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens."""
+def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = None) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens;
+    `gpu_memory_utilization`: the share of the GPU's memory it may claim (None: vLLM's default, 0.9)."""
     from transformers import AutoConfig, GenerationConfig
 
     from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
@@ -126,6 +127,8 @@ def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
                   dtype=str(resolve_dtype("auto", device)).removeprefix("torch."), max_model_len=need,
                   max_num_batched_tokens=max(cfg.batch_size * need, 2048), max_num_seqs=max(cfg.batch_size, 1) * 8,
                   enforce_eager=device.type == "cpu")
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     lora = None
     if cfg.adapter:
         from peft import PeftConfig
