@@ -105,6 +105,24 @@ def test_a_fractional_gpu_share_claims_that_share_of_vllms_gpu_memory(tiny_lm, f
         assert fake_llm[-1].get("gpu_memory_utilization") == want, (engine, gpus)
 
 
+def test_vllm_builds_its_engine_in_the_dtype_asked_for(tiny_lm, fake_llm):
+    for asked, built in (("auto", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")):  # auto: on a CPU
+        engine, _ = vllm_engine.load(_vllm_cfg(tiny_lm, dtype=asked), 8, models.load_tokenizer(tiny_lm))
+        assert fake_llm[-1]["dtype"] == built and engine.dtype == built, asked
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_evaluate_tags_the_dtype_the_policy_generated_in(dtype, tiny_lm, tmp_path, shop):
+    """The run's slmsql.dtype tag is the precision the model ran in (its `dtype` param says what was asked)."""
+    cfg = configs.load(configs.EvaluateConfig, None, {
+        "data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": str(tiny_lm), "dtype": dtype,
+        "max_new_tokens": 2, "workers": 1, "output_dir": str(tmp_path / "out")})
+    evaluate.main(cfg)
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.data.tags["slmsql.dtype"] == {"auto": "float32"}.get(dtype, dtype)
+    assert run.data.params["dtype"] == dtype
+
+
 # ---- real vLLM ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

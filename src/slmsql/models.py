@@ -295,7 +295,7 @@ def load_model(
         raise SlmsqlError("merge_adapter=True needs an adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    _tag_dtype(dtype)
+    tag_dtype(dtype)
     if adapter is not None:
         check_adapter_base(adapter, model)
     tokenizer = load_tokenizer(model)
@@ -325,7 +325,7 @@ def load_model(
     return lm, tokenizer
 
 
-def _tag_dtype(dtype: torch.dtype) -> None:
+def tag_dtype(dtype: torch.dtype | str) -> None:
     """The resolved precision as the active MLflow run's slmsql.dtype tag (the stage's param says only 'auto')."""
     import mlflow
 
