@@ -123,6 +123,35 @@ def test_evaluate_tags_the_dtype_the_policy_generated_in(dtype, tiny_lm, tmp_pat
     assert run.data.params["dtype"] == dtype
 
 
+def test_a_killed_transformers_filter_is_not_resumed_on_another_backend_or_dtype(tiny_lm, tmp_path, shop,
+                                                                                monkeypatch, fake_llm):
+    """Two sample streams in one band, under the first run's params: refused, naming what changed, before any
+    model or engine loads; the same parameters resume it."""
+    args = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": str(tiny_lm), "k": 2,
+            "max_new_tokens": 2, "workers": 1, "low": 0.0, "high": 1.0, "output_dir": str(tmp_path / "out")}
+
+    class Killed(Exception):
+        pass
+
+    def killed(*a, **k):
+        raise Killed  # the driver dies mid-run: .partial/ and its resume state stay
+
+    monkeypatch.setattr(engines, "run", killed)
+    with pytest.raises(Killed):
+        passrate.main(configs.load(configs.FilterConfig, None, args))
+    assert (tmp_path / "out.partial" / "resume_state.json").is_file()
+    for change, said in (({"backend": "vllm"}, "backend: 'transformers' then, 'vllm' now"),
+                         ({"dtype": "bfloat16"}, "dtype: 'auto' then, 'bfloat16' now")):
+        with pytest.raises(SlmsqlError, match=f"unfinished run with other parameters \\({said}\\)"):
+            passrate.main(configs.load(configs.FilterConfig, None, {**args, **change}))
+    assert fake_llm == []  # refused before vLLM built an engine
+    monkeypatch.setattr(engines, "run", killed)  # the killed run's own parameters get as far as generating again
+    with pytest.raises(Killed):
+        passrate.main(configs.load(configs.FilterConfig, None, args))
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")  # in the same run
+    assert run.data.params["backend"] == "transformers"
+
+
 # ---- real vLLM ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

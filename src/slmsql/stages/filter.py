@@ -21,9 +21,9 @@ from ..figures import histogram_figure
 from ..passrates import CHUNK, bucket_summary, load_finished
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
-               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "tables_json", "match",
-               "timeout_s")
+RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "backend", "dtype", "k", "temperature", "top_p",
+               "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values",
+               "tables_json", "match", "timeout_s")
 
 
 def main(cfg: FilterConfig) -> dict:
