@@ -152,6 +152,19 @@ def test_a_killed_transformers_filter_is_not_resumed_on_another_backend_or_dtype
     assert run.data.params["backend"] == "transformers"
 
 
+@pytest.mark.parametrize("stage, cls", [(passrate, configs.FilterConfig), (evaluate, configs.EvaluateConfig)])
+def test_an_adapter_of_another_base_is_refused_on_vllm_before_the_engine_loads(stage, cls, tiny_lm, tmp_path, shop,
+                                                                             fake_llm):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "other-org/other-model",
+                                                             "peft_type": "LORA", "r": 8}))
+    _refused(stage, cls, {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": str(tiny_lm),
+                          "adapter": str(adapter), "backend": "vllm", "output_dir": str(tmp_path / "out")},
+             "was trained on base model 'other-org/other-model'")
+    assert fake_llm == []
+
+
 # ---- real vLLM ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

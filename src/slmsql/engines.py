@@ -155,8 +155,13 @@ def run_params(work: Work) -> dict:
 
 
 def check_settings(work: Work, generating: bool) -> None:
-    """The checks that read no model files at all (a stage makes them first): what vLLM cannot honour, vLLM or
-    Ray missing."""
+    """The checks that read no weights (a stage makes them first): the adapter was trained on this base model
+    (the one check for both backends: PEFT would load a same-shaped adapter of another base, vLLM too), what
+    vLLM cannot honour, vLLM or Ray missing."""
+    if generating and work.cfg.adapter:
+        from .models import check_adapter_base
+
+        check_adapter_base(work.cfg.adapter, work.cfg.model)
     if generating and work.cfg.engine != "ray":  # Ray's actors resolve it on their own device
         from .models import dtype_name
 

@@ -31,14 +31,12 @@ def main(cfg: FilterConfig) -> dict:
     from tqdm import tqdm
 
     from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking
-    from ..models import check_adapter_base, load_tokenizer, policy_folder
+    from ..models import load_tokenizer, policy_folder
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
         raise DataError(f"need k >= 1 and 0 <= low < high <= 1, got k={cfg.k} low={cfg.low} high={cfg.high}")
     examples = read_gold(cfg.data)[:cfg.limit or None]
-    if cfg.adapter:
-        check_adapter_base(cfg.adapter, cfg.model)
     work = engines.Work("filter", cfg)
     engines.check_settings(work, generating=True)
     prompt, token_metrics = promptcheck.preflight(
