@@ -275,7 +275,8 @@ def test_evaluate_with_vllm_serves_the_adapter_as_peft_does(policy, adapter, tmp
     peft = _in_process(evaluate, configs.EvaluateConfig, {**args, "adapter": str(adapter)}, tmp_path / "peft")[2]
     run, served = _cli("evaluate", {**args, "adapter": str(adapter), "backend": "vllm"}, tmp_path / "vllm")
     changed = sum(_sql(base)[i] != _sql(peft)[i] for i in _sql(base))
-    assert changed >= 3, f"the adapter changed {changed} of 30 answers: too few to tell it was served"
+    # more than _agree lets differ: a backend that dropped the adapter could not pass it
+    assert changed >= 2, f"the adapter changed {changed} of 30 answers: too few to tell it was served"
     _agree(peft, served)
     assert run.data.params["backend"] == "vllm" and run.data.tags["slmsql.dtype"] == "float32"
 
