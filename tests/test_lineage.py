@@ -83,6 +83,51 @@ def test_a_model_no_run_trained_is_one_external_model_for_every_run_that_uses_it
     assert len(client.search_logged_models([exp])) == 2
 
 
+def test_an_adapter_of_unknown_origin_credits_no_model(tmp_path, monkeypatch):
+    """A GRPO adapter in a local folder on the SFT policy's run URI: no run is known to have trained the adapter, so
+    its EX goes to no LoggedModel; above all not to the SFT model, whose page would show a GRPO policy's EX."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "grpo").mkdir(parents=True)
+    with _training_run("sft") as sft:
+        lineage.start_policy_model(sft.info.run_id, "sft", "policy")
+    base = f"runs:/{sft.info.run_id}/policy"
+    local_base = str(tmp_path / "outputs" / "from-runs" / sft.info.run_id / "policy")  # its fetched copy
+    with mlflow.start_run() as run:
+        for model in (base, local_base):
+            assert lineage.trained_by(model, "outputs/grpo") is None
+            assert lineage.policy_model(run.info.experiment_id, model, str(tmp_path / "outputs" / "grpo")) is None
+    assert len(mlflow.MlflowClient().search_logged_models([run.info.experiment_id])) == 1  # the SFT model alone
+
+
+def test_a_folder_retrained_in_place_is_a_new_external_model(tmp_path, monkeypatch):
+    """A project folder's external model is found again by its path and what the folder holds (a digest of its
+    files, tag `slmsql.digest`): `outputs/sft` retrained with --overwrite is a new model, not the old one's EX."""
+    import random
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "outputs" / "sft"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    weights = folder / "model.safetensors"
+    weights.write_bytes(random.Random(0).randbytes(6 << 20))
+    with mlflow.start_run() as run:
+        exp = run.info.experiment_id
+        first = lineage.policy_model(exp, str(folder))
+        assert lineage.policy_model(exp, "outputs/sft") == first  # the same files, by any spelling of the path
+        retrained = bytearray(weights.read_bytes())
+        retrained[3 << 20:(3 << 20) + 4096] = bytes(4096)  # a few KiB in the middle moved: same size, same config
+        weights.write_bytes(retrained)
+        second = lineage.policy_model(exp, "outputs/sft")
+        assert second != first and lineage.policy_model(exp, "outputs/sft") == second
+    client = mlflow.MlflowClient()
+    old, new = client.get_logged_model(first), client.get_logged_model(second)
+    assert old.tags[lineage.FILES_TAG] == new.tags[lineage.FILES_TAG] == "outputs/sft"
+    assert new.tags[lineage.DIGEST_TAG] == lineage.digest(folder) != old.tags[lineage.DIGEST_TAG]
+    shutil.copytree(folder, tmp_path / "copy")  # content, not the path or the files' times
+    assert lineage.digest(tmp_path / "copy") == lineage.digest(folder)
+
+
 def test_descriptions_link_related_runs_once_however_often_linked():
     from slmsql import descriptions, tracking
 

@@ -10,13 +10,19 @@ the tag `slmsql.logged_model`, by which an evaluation finds the model of the pol
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
+from pathlib import Path
 
 from . import tracking
 
+log = logging.getLogger(__name__)
+
 MODEL_TAG = "slmsql.logged_model"  # on a training run: the id of the LoggedModel of the policy it trained
 FILES_TAG = "slmsql.files"  # on a LoggedModel: the run artifact holding its files (runs:/<run id>/<path>)
+DIGEST_TAG = "slmsql.digest"  # on an external model of a folder: what its files held (`digest`)
 TYPE = "text2sql-policy"
 # An evaluation's metrics that are its model's on that eval set: EX, one column per eval set in the Models tab (each
 # metric there is a 200 px column per eval set); its interval, counts and paired test stay the evaluation run's.
@@ -52,11 +58,11 @@ def start_policy_model(run_id: str, name: str, files: str) -> str:
 
 def trained_by(model: str, adapter: str = "") -> str | None:
     """The id of the run that trained the policy at `adapter` (else `model`), when that is a fetched run artifact
-    (runs:/<id>/..., or its local copy): the run whose LoggedModel an evaluation's metrics belong to."""
-    for path in (adapter, model):
-        if path and (m := tracking.RUN_URI.fullmatch(tracking.param_value(path))):
-            return m[1]
-    return None
+    (runs:/<id>/..., or its local copy): the run whose LoggedModel an evaluation's metrics belong to. Given an
+    adapter, the adapter alone says: one no run is known to have written (a local folder) makes it None, never
+    the base's run (the base's model would take the adapter's EX as its own)."""
+    path = tracking.param_value(adapter or model)
+    return m[1] if path and (m := tracking.RUN_URI.fullmatch(path)) else None
 
 
 def model_of(model: str, adapter: str = "") -> str | None:
@@ -77,32 +83,53 @@ def model_of(model: str, adapter: str = "") -> str | None:
 def policy_model(experiment_id: str, model: str, adapter: str = "") -> str | None:
     """The LoggedModel of the policy a run samples or scores: the trained policy's (`model_of`); for a model no run
     here trained, used as it is (a Hub model zero-shot, a folder in the project), an external LoggedModel named
-    after it (`external_model`); None for a predictions file, an adapter of unknown origin, or a folder outside
-    the project (an absolute path of this machine names nothing elsewhere)."""
+    after it (`external_model`); None for a predictions file, an adapter of unknown origin (a policy only with
+    its base, which no name here records: pass it by its run URI to credit its run), or a folder outside the
+    project (an absolute path of this machine names nothing elsewhere)."""
     if not model:
         return None
     if trained_by(model, adapter) is not None:
         return model_of(model, adapter)
-    ref = tracking.portable(model)
-    if adapter or os.path.isabs(ref):
+    if adapter:
+        log.info("the adapter %s is no run's artifact: its EX stays on the run, credited to no LoggedModel "
+                 "(pass it as runs:/<run id>/adapter to credit the run that trained it)", tracking.portable(adapter))
         return None
-    return external_model(experiment_id, ref)
+    ref = tracking.portable(model)
+    if os.path.isabs(ref):
+        return None
+    return external_model(experiment_id, ref, digest(model) if os.path.isdir(model) else "")
 
 
-def external_model(experiment_id: str, ref: str) -> str:
+def external_model(experiment_id: str, ref: str, content: str = "") -> str:
     """The LoggedModel (READY, no files of ours) of a model slmsql did not train, named by `ref` (a Hub id or a
-    project path) in its tag `slmsql.files`, by which every later run finds the same one."""
+    project path) in its tag `slmsql.files`, by which every later run finds the same one. A folder's model is
+    also found by its `content` (`digest`, tag `slmsql.digest`): a folder retrained in place is a new model."""
     import mlflow
     from mlflow.entities import LoggedModelStatus
 
     client = mlflow.MlflowClient()
     if "'" not in ref:  # a quote cannot be written in a search filter; such a model gets one model per run
         for found in client.search_logged_models([experiment_id], filter_string=f"tags.`{FILES_TAG}` = '{ref}'"):
-            return found.model_id
-    model = client.create_logged_model(experiment_id, name=model_name(ref), model_type=TYPE,
-                                       tags={FILES_TAG: ref, "slmsql.stage": "external"})
+            if found.tags.get(DIGEST_TAG, "") == content:
+                return found.model_id
+    tags = {FILES_TAG: ref, "slmsql.stage": "external", **({DIGEST_TAG: content} if content else {})}
+    model = client.create_logged_model(experiment_id, name=model_name(ref), model_type=TYPE, tags=tags)
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
     return model.model_id
+
+
+def digest(folder) -> str:
+    """What a model folder holds: a sha256 over each top-level file's name and bytes (configs, tokenizer,
+    weights or adapter; checkpoints below are not the model). Reads the files once, as loading the model does
+    (about a second per GB on one core): a sample of the weights would miss a retraining that moved only
+    a LoRA merge's few matrices, and that model would take the old one's EX."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def log_model_input(run_id: str, model_id: str | None) -> None:

@@ -47,7 +47,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
     that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
-    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages.
+    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages
+    (with an outbox, through it: durable.system_metrics_sampler).
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
@@ -75,7 +76,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
-                              nested=nested, log_system_metrics=system_metrics) as run:
+                              nested=nested, log_system_metrics=system_metrics and outbox is None) as run:
             describe_experiment(run.info.experiment_id)
             tags = {**provenance_tag(getattr(cfg, "model", "")), **(tags or {})}
             tags = {k: v for k, v in tags.items() if v not in ("", None)}  # an empty option: no tag
@@ -89,7 +90,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             if outbox is None:
                 yield run
                 return
-            outbox.start(run.info.run_id)
+            outbox.start(run.info.run_id, system_metrics=system_metrics, resume=run_id is not None)
             try:
                 yield run
             except BaseException:
