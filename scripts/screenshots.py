@@ -8,6 +8,8 @@ A store written through a server records artifacts as `mlflow-artifacts:/` URIs,
 the machine that ran it. Starts a real `mlflow server` on loopback on a copy of the store and its artifacts (the
 demo's own are not touched), drives headless Chromium (`apt-get install chromium` on Debian) over the DevTools
 protocol and saves:
+  views-menu.png     from Home (the sidebar switch set to Model training): the experiment's Training runs, its
+                     Views menu open on slmsql's view
   runs-table.png     the experiment's runs table as `ui_link` opens it (grouped by eval set, slmsql's columns)
   models-tab.png     MLflow 3's Models tab: each policy's LoggedModel with its EX per eval set
   pipeline-run.png   the pipeline run's overview: its description (the headline), metrics and verdict tags
@@ -20,96 +22,18 @@ is scaled down and palette-quantized to stay small.
 from __future__ import annotations
 
 import argparse
-import base64
-import fcntl
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# MLflow 3.17 opens its assistant panel on a local server's first visit (a third of the window); a user closes
-# it once and the UI remembers. The script clicks the same Close button on each page.
-CLOSE_ASSISTANT = "document.querySelector('[data-component-id=\"mlflow.assistant.chat_panel.close\"]')?.click()"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the DevTools client the browser test uses too
+from devtools import Chromium, binary, views_menu_from_home  # noqa: E402
 
-
-class Chromium:
-    """Headless Chromium over the DevTools protocol on a pipe (`--remote-debugging-pipe`: commands in on fd 3,
-    replies out on fd 4, each one JSON message ended by NUL), so no client library is needed."""
-
-    def __init__(self, binary: str, profile: Path):
-        to_child, self._in = os.pipe()
-        self._out, from_child = os.pipe()
-
-        def onto_3_and_4():  # in the child: move the pipe ends out of the way, then onto fds 3 and 4
-            a, b = fcntl.fcntl(to_child, fcntl.F_DUPFD, 10), fcntl.fcntl(from_child, fcntl.F_DUPFD, 10)
-            os.dup2(a, 3)
-            os.dup2(b, 4)  # dup2 leaves 3 and 4 inheritable; every other fd of ours closes on exec
-
-        self.proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                                      "--remote-debugging-pipe", f"--user-data-dir={profile}", "about:blank"],
-                                     preexec_fn=onto_3_and_4, close_fds=False, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        os.close(to_child)
-        os.close(from_child)
-        self._n, self._buf = 0, b""
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-
-    def call(self, method: str, session: str | None = None, **params) -> dict:
-        self._n += 1
-        msg = {"id": self._n, "method": method, "params": params} | ({"sessionId": session} if session else {})
-        os.write(self._in, json.dumps(msg).encode() + b"\0")
-        while True:  # events (messages without our id) are skipped
-            while b"\0" not in self._buf:
-                chunk = os.read(self._out, 1 << 20)
-                if not chunk:
-                    raise RuntimeError(f"chromium exited during {method}")
-                self._buf += chunk
-            raw, self._buf = self._buf.split(b"\0", 1)
-            reply = json.loads(raw)
-            if reply.get("id") == self._n:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply["result"]
-
-    def page(self, method: str, **params) -> dict:
-        return self.call(method, self.session, **params)
-
-    def js(self, expression: str):
-        return self.page("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
-
-    def open(self, url: str, size: tuple[int, int], ready: str, timeout_s: float = 60) -> None:
-        """Load `url` at `size` and wait until the page's text contains `ready` (the UI is a JavaScript app that
-        fetches its data after load), then a moment for the layout to settle."""
-        self.page("Emulation.setDeviceMetricsOverride", width=size[0], height=size[1], deviceScaleFactor=1,
-                  mobile=False)
-        self.page("Page.navigate", url=url)
-        deadline = time.time() + timeout_s
-        while not self.js(f"document.readyState === 'complete' && document.body.innerText.includes({ready!r})"):
-            if time.time() > deadline:
-                raise RuntimeError(f"{url}: {ready!r} did not appear within {timeout_s:.0f} s")
-            time.sleep(0.5)
-        self.js(CLOSE_ASSISTANT)
-        time.sleep(2)
-
-    def scroll_grid(self, px: int) -> None:
-        """Scroll the page's table (ag-grid) `px` to the right, as its scroll bar does."""
-        self.js("(() => { const v = document.querySelector('.ag-body-horizontal-scroll-viewport');"
-                f" v.scrollLeft = {px}; v.dispatchEvent(new Event('scroll')); }})()")
-        time.sleep(1)
-
-    def shoot(self, png: Path) -> None:
-        png.write_bytes(base64.b64decode(self.page("Page.captureScreenshot", format="png")["data"]))
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        os.close(self._in)
-        os.close(self._out)
+SETTLE_S = 2  # after the data is in, for the layout to settle before a picture (a picture only: no test waits)
 
 
 def shrink(src: Path, dst: Path, box: tuple[float, float, float, float], width: int, colors: int = 96) -> int:
@@ -129,7 +53,7 @@ def main() -> None:
     ap.add_argument("--store", default="mlflow-server.db", help="SQLite store of a demo run tracked through a server")
     ap.add_argument("--artifacts", default="mlartifacts", help="that server's artifacts folder")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "img"))
-    ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
+    ap.add_argument("--chromium", default=binary() or "chromium")
     args = ap.parse_args()
 
     import mlflow
@@ -167,11 +91,16 @@ def main() -> None:
                              "gold_sql", 0.75, 0),
             }
             sizes = {}
+            views_menu_from_home(browser, uri, exp.experiment_id, (1600, 900))
+            time.sleep(SETTLE_S)
+            browser.shoot(tmp / "views-menu.raw.png")
+            sizes["views-menu"] = shrink(tmp / "views-menu.raw.png", out / "views-menu.png", (0.0, 0.0, 1.0, 0.5), 1200)
             for name, (url, size, ready, bottom, scroll) in pages.items():
                 raw = tmp / f"{name}.raw.png"
                 browser.open(url, size, ready)
                 if scroll:
                     browser.scroll_grid(scroll)
+                time.sleep(SETTLE_S)
                 browser.shoot(raw)
                 sizes[name] = shrink(raw, out / f"{name}.png", (0.0, 0.0, 1.0, bottom), 1200)
         finally:

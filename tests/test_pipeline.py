@@ -340,7 +340,9 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, c = _runs(uri)
-    view = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    saved = json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    view = json.loads(saved["state"])  # in the envelope that lists it in the views menu by name
+    assert saved["name"] == "slmsql"
     assert (view["orderByKey"], view["orderByAsc"]) == ("attributes.start_time", True)
     assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": tracking.GROUP_BY}]
     grouped = client.search_runs([exp.experiment_id], f"tags.`{tracking.GROUP_BY}` != ''",
@@ -351,6 +353,83 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
         f"{split} GRPO vs SFT: {c[f'eval-grpo-{split}'].data.tags[tracking.RESULT]}" for split in ("dev", "dev_cross"))
     assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
     assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too
+
+
+@pytest.mark.slow
+def test_the_ui_shows_the_verdicts_the_ex_columns_and_the_candidate(lifecycle, tmp_path):
+    """In a real browser (Debian's headless Chromium, over its DevTools pipe) on the fixture's `mlflow server`:
+    from Home, the docs' first step (sidebar switch "Model training", the experiment, Views -> slmsql) reaches
+    each eval set's verdict; so does the link the pipeline printed, in the pipeline run's result cell and each
+    GRPO evaluation's; the Models tab has an EX column per eval set with each policy's EX; the registry page
+    lists the version aliased candidate."""
+    from ci_env import in_ci
+    from devtools import Chromium, binary
+
+    uri, root, run, _ = lifecycle
+    assert run.returncode == 0, run.stderr[-4000:]
+    if binary() is None:
+        if in_ci():
+            pytest.fail("no chromium; under CI this test must run (.ci/run installs Debian's chromium)")
+        pytest.skip("no chromium (Debian: apt-get install chromium)")
+    link = run.stdout.split("MLflow UI: ")[-1].split()[0]  # the headline's link, printed last
+    with Chromium(binary(), tmp_path / "profile") as browser:
+        ui_checks(browser, uri, link)
+
+
+def ui_checks(browser, uri: str, link: str) -> None:
+    """The browser test's checks, against the pipeline's store behind `uri`."""
+    from devtools import views_menu_from_home
+
+    from slmsql import tracking
+
+    client, exp, parent, c = _runs(uri)
+    size, result = (2000, 1000), f"tags.`{tracking.RESULT}`"
+    verdicts = {c[f"eval-grpo-{split}"].info.run_id: c[f"eval-grpo-{split}"].data.tags[tracking.RESULT]
+                for split in ("dev", "dev_cross")}
+    verdicts[parent.info.run_id] = parent.data.tags[tracking.RESULT]
+
+    def cells(run_id: str, column: str) -> str:  # JavaScript: a run's cell text in the grid, once it is there
+        return (f"[...document.querySelectorAll('.ag-row[row-id$=\".{run_id}\"] .ag-cell')]"
+                f".find(c => c.getAttribute('col-id') === {column!r})?.innerText")
+
+    def verdict_cells() -> dict:
+        return {run_id: browser.wait(cells(run_id, result), 60, f"the result cell of run {run_id}")
+                for run_id in verdicts}
+
+    # From Home, as the docs' first step says, to slmsql's view in the Views menu
+    views_menu_from_home(browser, uri, exp.experiment_id, size)
+    item = f"[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.trim() === {tracking.VIEW_KEY!r})"
+    browser.wait(f"!!{item}", 30, "slmsql in the Views menu")
+    browser.js(f"{item}.click()")
+    assert verdict_cells() == verdicts
+    # the printed link: the same view directly
+    browser.open(link, size, parent.info.run_name)
+    assert verdict_cells() == verdicts
+
+    # Models tab: one EX column per eval set (its dataset name and digest), each policy's EX in it
+    browser.open(f"{uri}/#/experiments/{exp.experiment_id}/models?workflowType=machine_learning", size, "Source run")
+    models = {m.name: m for m in client.search_logged_models([exp.experiment_id])}
+    expected = {(m.model_id, metric.dataset_name, metric.dataset_digest): metric.value
+                for m in (models["sft"], models["grpo"]) for metric in m.metrics if metric.key == "ex"}
+    assert len(expected) == 4
+    grid = json.loads(browser.wait(
+        "(() => { const cells = [...document.querySelectorAll('.ag-row .ag-cell')].filter("
+        "c => c.getAttribute('col-id').replaceAll('&quot;', '\"').startsWith('metrics.{')).map(c => [c.closest("
+        "'.ag-row').getAttribute('row-id'), c.getAttribute('col-id').replaceAll('&quot;', '\"'), c.innerText]);"
+        f" return cells.length >= {len(expected)} && JSON.stringify(cells); }})()", 60, "the EX cells"))
+    shown = {}
+    for model_id, column, text in grid:
+        key = json.loads(column.removeprefix("metrics."))
+        if key["metricKey"] == "ex":
+            shown[(model_id, key["datasetName"], key["datasetDigest"])] = float(text)
+    assert shown == pytest.approx(expected, abs=5e-4)
+
+    # the registry: the GRPO policy's text2sql model, its version aliased candidate
+    version = client.get_model_version_by_alias("toy-grpo", "candidate")
+    browser.open(f"{uri}/#/models/toy-grpo", size, "candidate")
+    row = browser.wait("[...document.querySelectorAll('[role=row]')].map(r => r.innerText).find(t => /@\\s*candidate/"
+                       ".test(t))", 30, "the version row aliased candidate")
+    assert row.startswith(f"Version {version.version}\n") and f"grpo_run\n: {version.run_id}" in row
 
 
 @pytest.mark.slow

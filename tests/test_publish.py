@@ -267,11 +267,21 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
 
     client = mlflow.MlflowClient()
     assert "slmsql.hub_url" not in client.get_run(store["grpo"]).data.tags
-    assert client.search_registered_models() == []  # a dry run registers nothing
+    # --dry-run skips the push only: the written folder is the registered candidate's adapter, tagged as not pushed
+    version = client.get_model_version_by_alias("tiny-grpo", "candidate")
+    assert version.source == result["text2sql_model"] and version.run_id == store["grpo"]
+    assert {k: version.tags.get(k) for k in ("hub_repo", "pushed", "hub_url", "hub_commit")} == {
+        "hub_repo": REPO, "pushed": "no (publish --dry-run)", "hub_url": None, "hub_commit": None}
+    local = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    pyfunc = mlflow.models.Model.load(str(local)).flavors["python_function"]
+    assert pyfunc["config"]["base_model"] == BASE and pyfunc["config"]["prompt_style"] == "compact"
+    for name in out.iterdir():
+        assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
     publish = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0]
-    assert publish.data.tags["slmsql.stage"] == "publish"
+    assert publish.data.tags["slmsql.stage"] == "publish" and "hub_new_commit" not in publish.data.metrics
     assert publish.data.tags["mlflow.note.content"] == (
-        f"Model card for {REPO} written, not pushed (dry run). From GRPO run {store['grpo']} and 2 evaluation run(s).")
+        f"Model card for {REPO} written, not pushed (dry run); registered as tiny-grpo version {version.version}. "
+        f"From GRPO run {store['grpo']} and 2 evaluation run(s).")
     card_artifact = mlflow.artifacts.download_artifacts(run_id=publish.info.run_id, artifact_path="card/README.md",
                                                         dst_path=str(tmp_path / "dl"))
     assert Path(card_artifact).read_text() == card
@@ -610,8 +620,22 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
     card = (tmp_path / "out" / "README.md").read_text()
     assert front_matter(card)["base_model"] == str(world["root"] / "sft-policy")
     assert "the local checkpoint `" in card and "could be written, not pushed" in caplog.text
+    # no base a served model could load (no --base-repo names its weights): nothing registered, and said so
+    assert "no text2sql model and no registry version" in caplog.text
+    import mlflow
+
+    assert mlflow.MlflowClient().search_registered_models() == []
+    # with --base-repo (as `make demo` runs it): the candidate holds the local base's weights, nothing is sent
+    dry = main(config(store, tmp_path, dry_run=True, overwrite=True, base_repo=BASE_REPO, **local))
+    version = mlflow.MlflowClient().get_model_version_by_alias("tiny-grpo", "candidate")
+    assert version.source == dry["text2sql_model"] and version.tags["base_repo"] == BASE_REPO
+    assert "base_commit" not in version.tags and "pushed" in version.tags
+    model_dir = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    policy = world["root"] / "sft-policy"
+    assert all((model_dir / "artifacts/tiny-sft" / p.name).read_bytes() == p.read_bytes() for p in policy.iterdir())
     assert "## RL data" not in card and "claims no gain and no loss" in card  # no filter run, no baseline
 
+    assert hub.requests == []
     monkeypatch.setenv("HF_TOKEN", hub.token)
     with pytest.raises(SlmsqlError, match="is a local checkpoint, not a Hub model id: give --base-repo OWNER/NAME"):
         main(config(store, tmp_path, overwrite=True, **local))

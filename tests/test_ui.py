@@ -108,7 +108,9 @@ def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paire
     assert paired.base.data.tags[tracking.RESULT] == "40.0% [16.8%, 68.7%]"
     link = tracking.ui_link(paired.exp.experiment_id)
     assert PRINTED["oracle"].endswith(f"oracle: {result}\nMLflow UI: {link}\n")
-    view = json.loads(paired.exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    saved = json.loads(paired.exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_KEY}"])
+    view = json.loads(saved["state"])  # in the envelope that lists it in the views menu by name
+    assert saved["name"] == "slmsql"
     assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "slmsql.dataset"}]
     assert f"tags.`{tracking.RESULT}`" in view["selectedColumns"]
     assert not [c for c in view["selectedColumns"] if c.startswith(("metrics.`ex", "metrics.`vs_baseline"))]

@@ -29,9 +29,10 @@ def registry_name(cfg) -> str | None:
     return name
 
 
-def register(name: str, cfg, hub: dict, model_uri: str) -> dict:
+def register(name: str, cfg, pushed: dict, model_uri: str) -> dict:
     """A registry version of the GRPO run's text2sql model (`model_uri`, logged to that run; the version made
-    from it before is reused), tagged with what was pushed, and aliased."""
+    from it before is reused), tagged with what was pushed (`pushed`: publish's Hub facts, none for a dry run),
+    and aliased."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -44,11 +45,16 @@ def register(name: str, cfg, hub: dict, model_uri: str) -> dict:
     same = [v for v in client.search_model_versions(f"name='{name}'")
             if v.run_id == cfg.grpo_run and v.source == model_uri]
     version = same[0] if same else mlflow.register_model(model_uri, name)
-    tags = {"hub_repo": cfg.repo_id, "hub_url": hub["hub_url"], "hub_commit": hub["hub_commit"],
-            "grpo_run": cfg.grpo_run, "eval_runs": ",".join(cfg.eval_runs), "filter_run": cfg.filter_run,
-            "flavor": "text2sql (mlflow.pyfunc)"}
+    tags = {"hub_repo": cfg.repo_id, "grpo_run": cfg.grpo_run, "eval_runs": ",".join(cfg.eval_runs),
+            "filter_run": cfg.filter_run, "flavor": "text2sql (mlflow.pyfunc)"}
+    if "hub_commit" in pushed:
+        tags.update(hub_url=pushed["hub_url"], hub_commit=pushed["hub_commit"])
+    else:  # a dry run: hub_repo is where a push would go
+        tags.update(pushed="no (publish --dry-run)")
     if cfg.base_repo:
-        tags.update(base_repo=cfg.base_repo, base_commit=hub["base_commit"])
+        tags.update(base_repo=cfg.base_repo)
+        if "base_hub_commit" in pushed:
+            tags.update(base_commit=pushed["base_hub_commit"])
     for key, value in tags.items():
         client.set_model_version_tag(name, version.version, key, value)
     if cfg.alias:

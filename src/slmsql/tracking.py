@@ -365,10 +365,14 @@ def describe(text: str, run_id: str | None = None) -> str:
     return text
 
 
-# The MLflow UI (3.x) opens an experiment in its GenAI mode with no metric columns in the runs table. Two
-# experiment tags the UI reads change that: the experiment kind, and a saved view of the runs table ("shared
-# view": the UI's own JSON state, selected by `?viewStateShareKey=` in the link `ui_link` prints). Both are UI
-# conventions, not API: a UI that ignores them shows its defaults, nothing breaks.
+# The MLflow UI (3.17) opens an experiment by a per-browser switch, not by anything the experiment holds: its
+# sidebar's "GenAI | Model training" toggle (`workflowType`: the link's `?workflowType=`, else what the browser
+# last chose, else GenAI). GenAI lands on Overview/Traces, Model training on "Training runs". The experiment kind
+# tag is read only where that switch is disabled (it is enabled in 3.17's build): set for such UIs, it changes
+# nothing here. The runs table then shows a saved view (the UI's own JSON state in an experiment tag) only when
+# asked: `?viewStateShareKey=` in the link `ui_link` prints, or the view picked by name from the table's views
+# menu (3.17 lists a view whose tag holds its "envelope": name, times, state). Both are UI conventions, not API:
+# a UI that ignores them shows its defaults, nothing breaks.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 VIEW_KEY = "slmsql"
 RESULT = "slmsql.result"  # an evaluation's result in one cell (wording.result); the pipeline's headline
@@ -395,28 +399,34 @@ def runs_view() -> dict:
             "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_BY}]}}
 
 
+def view_tag() -> tuple[str, str]:
+    """slmsql's view as the experiment tag the UI reads: the runs-table state in the envelope of a named saved
+    view (`name`, `createdAt`, `updatedAt` in ms, `state`), so the views menu lists it as "slmsql" and the link
+    opens it (the UI reads an envelope first, a bare state second)."""
+    import json
+    import time
+
+    now = int(time.time() * 1000)
+    return f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps({"name": VIEW_KEY, "createdAt": now, "updatedAt": now,
+                                                             "state": json.dumps(runs_view())})
+
+
 def save_view(experiment_id: str, client=None) -> None:
     """Write slmsql's view, replacing an older one: the view `ui_link` opens is slmsql's own (a user's views are
     saved under their own names)."""
-    import json
-
     import mlflow
 
-    (client or mlflow.MlflowClient()).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}",
-                                                         json.dumps(runs_view()))
+    (client or mlflow.MlflowClient()).set_experiment_tag(experiment_id, *view_tag())
 
 
 def describe_experiment(experiment_id: str) -> None:
     """Give the experiment a description, its kind and the runs-table view `ui_link` opens, each unless it has
     one (a user's own is kept)."""
-    import json
-
     import mlflow
 
     client = mlflow.MlflowClient()
     have = client.get_experiment(experiment_id).tags
-    for key, value in ((NOTE, EXPERIMENT_NOTE), EXPERIMENT_KIND,
-                       (f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(runs_view()))):
+    for key, value in ((NOTE, EXPERIMENT_NOTE), EXPERIMENT_KIND, view_tag()):
         if key not in have:
             client.set_experiment_tag(experiment_id, key, value)
 

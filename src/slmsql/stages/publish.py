@@ -6,6 +6,8 @@ with --base-repo also OUT/base/, the local base model + its own card) -> Hub: th
 first (the adapter card names it as base_model), then one upload_folder commit of the adapter -> Hub URLs and
 commits back on the GRPO run -> the `text2sql` MLflow model (slmsql.text2sql: adapter, base, prompt and
 generation settings) logged to the GRPO run -> a Model Registry version of that model, with an alias.
+--dry-run skips the pushes only: the model and its registry version are made from the written folder (a local
+registry needs no Hub), without Hub tags; a later real push makes a model of its own (other commits) and version.
 
 Nothing is written, logged or sent before every check passes. The token lives in a local variable and the HfApi
 client only: the config has no field for it, so it cannot reach params, tags, logs, artifacts or the card.
@@ -95,10 +97,10 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     datasets = [run.data.tags.get("slmsql.dataset") for run, _ in evals]
     if len(set(datasets)) != len(datasets):
         raise SlmsqlError(f"two evaluation runs on one dataset ({datasets}): give one per dataset")
-    # what the text2sql model generates with: refused now, before anything is pushed, if it is ambiguous
-    settings = None if cfg.dry_run else settings_from_runs(grpo, [run for run, _ in evals])
     adapter = tracking.download(grpo.info.run_id, "adapter", tmp / "grpo")
     check_adapter_base(adapter, model)  # the artifact is an adapter for the model the run names
+    # what the text2sql model generates with: refused now, before anything is written, if it is ambiguous
+    settings = settings_from_runs(grpo, [run for run, _ in evals])
     runs = cards.Runs(grpo=grpo, adapter_config=json.loads((adapter / "adapter_config.json").read_text()),
                       evals=evals, baselines=baselines, sweep_run=sweep_run, sweep=sweep, base=base,
                       settings=settings,
@@ -195,11 +197,9 @@ def write_folder(work: Path, cfg: PublishConfig, runs: cards.Runs, adapter: Path
         (work / "base" / "README.md").write_text(base_card, encoding="utf-8")
 
 
-def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str | None) -> dict:
-    """The pushes (base first), the Hub facts on the GRPO run, the text2sql model and its registry version."""
+def push_all(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs) -> dict:
+    """The pushes (base first) and the Hub facts on the GRPO run and this one."""
     import mlflow
-
-    from ..text2sql import log_text2sql, stage_base
 
     result, tags = {}, {}
     if runs.base is not None:
@@ -215,23 +215,41 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
     for key, value in tags.items():
         mlflow.MlflowClient().set_tag(cfg.grpo_run, key, value)
     mlflow.set_tags(tags)
+    return result
+
+
+def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, name: str | None) -> dict:
+    """The pushes unless --dry-run; then, either way, the text2sql model and its registry version (a dry run's
+    made from the written folder, tagged as not pushed)."""
+    import mlflow
+
+    from ..text2sql import log_text2sql, stage_base
+
+    result = {} if cfg.dry_run else push_all(cfg, token, out, runs)
     model = runs.grpo.data.tags.get("slmsql.model", "")
+    if hub_id(model) is None and runs.base is None:  # a dry run only: gather refuses to push such a base
+        log.warning("no text2sql model and no registry version: its base %r is a local checkpoint (give "
+                    "--base-repo to name it; the model then holds its weights)", model)
+        return result
     model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
                     "greedy": True, "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
-    commits = {"adapter": hub["hub_commit"], "base": result.get("base_hub_commit")}
+    commits = {"adapter": result.get("hub_commit"), "base": result.get("base_hub_commit")}  # None: not pushed
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
+        adapter = Path(tmp) / "adapter"  # exactly the written adapter folder (its card included)
         shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
         base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
         model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir,
                                     into=runs.grpo.data.tags.get(MODEL_TAG))
     result.update(text2sql_model=model_uri)
-    # The push's metric is this run's, not the model's: logged after the model (Model.log copies the run's metrics
-    # of its step into the model) and by the client (mlflow.log_metric files it under the run's output models).
-    mlflow.MlflowClient().log_metric(mlflow.active_run().info.run_id, "hub_new_commit", float(hub["new_commit"]))
+    if not cfg.dry_run:
+        # The push's metric is this run's, not the model's: logged after the model (Model.log copies the run's
+        # metrics of its step into the model) and by the client (mlflow.log_metric files it under the run's
+        # output models).
+        mlflow.MlflowClient().log_metric(mlflow.active_run().info.run_id, "hub_new_commit",
+                                         float(result["new_commit"]))
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:
-        result.update(register(name, cfg, {**hub, "base_commit": result.get("base_hub_commit")}, model_uri))
+        result.update(register(name, cfg, result, model_uri))
     return result
 
 
@@ -269,8 +287,7 @@ def main(cfg: PublishConfig) -> dict:
         mlflow.log_artifact(str(out / "README.md"), "card")
         if base_card is not None:
             mlflow.log_artifact(str(out / "base" / "README.md"), "base_card")
-        if not cfg.dry_run:
-            result.update(ship(cfg, token, out, runs, name))
+        result.update(ship(cfg, token, out, runs, name))
         tracking.log_json(result, "publish.json")
         tracking.describe(descriptions.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
