@@ -84,7 +84,7 @@ def command(stage: str, params: dict) -> str:
     defaults = cls()
     lines = [f"slmsql {stage}"]
     for f in dataclasses.fields(cls):
-        if f.name in ("overwrite", "resume", "run_name", "experiment", "output_dir"):
+        if f.name in configs.RUN_ONLY:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "trainer_args":
