@@ -795,11 +795,11 @@ def test_sweep_card_of_several_starts_shows_each_rows_start(store, tmp_path):
 
 
 def test_reproduce_command_prints_only_what_differs_from_the_defaults():
-    """Params come back from MLflow as text: a default logged as 'false' or 'all-linear' is not printed,
-    a changed value is, quoted for the shell."""
+    """Params come back from MLflow as text: a default logged as 'false' (or 'False', by an older slmsql) or
+    'all-linear' is not printed, a changed value is, quoted for the shell."""
     from slmsql.card import command
 
-    params = {"dynamic_sampling": "false", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
+    params = {"dynamic_sampling": "False", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
               "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1",
               "output_dir": "/home/me/outputs/grpo"}  # where it wrote: not a machine path on the card
     lines = command("grpo", params).split(" \\\n    ")

@@ -271,7 +271,7 @@ def main(cfg: PublishConfig) -> dict:
             mlflow.log_artifact(str(out / "base" / "README.md"), "base_card")
         if not cfg.dry_run:
             result.update(ship(cfg, token, out, runs, name))
-        tracking.log_json(result, "publish.json")
+        tracking.log_json({k: v for k, v in result.items() if k != "output_dir"}, "publish.json")  # the param
         tracking.describe(descriptions.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
     return result
