@@ -378,8 +378,9 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     meta = mlflow.models.Model.load(str(local))
     pyfunc = meta.flavors["python_function"]
     assert pyfunc["config"] == {"base_model": BASE, "base_repo": None, "prompt_style": "compact",
-                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "greedy": True,
+                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "decoding": "greedy",
                                       "grpo_run": store["grpo"], "hub_repo": REPO}
+    assert pyfunc["artifacts"]["adapter"]["uri"] == "adapter"  # as named in publish's folder, not that folder
     assert set(pyfunc["artifacts"]) == {"adapter"} and meta.signature.inputs.input_names() == \
         ["question", "schema", "db_path", "evidence"] and meta.saved_input_example_info
     for name in out.iterdir():  # the model's adapter is the pushed folder

@@ -217,7 +217,7 @@ def ship(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs, name: str 
     mlflow.set_tags(tags)
     model = runs.grpo.data.tags.get("slmsql.model", "")
     model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
-                    "greedy": True, "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
+                    "decoding": "greedy", "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
     commits = {"adapter": hub["hub_commit"], "base": result.get("base_hub_commit")}
     with tempfile.TemporaryDirectory() as tmp:
         adapter = Path(tmp) / "adapter"  # exactly the pushed adapter folder (its card included)
