@@ -129,7 +129,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, children = _runs(uri)
-    assert "Metric vocabulary" in exp.tags[tracking.NOTE]
+    assert "Metric names: docs/vocabulary.md" in exp.tags[tracking.NOTE]
     for r in [parent, *children.values()]:
         stage = r.data.tags["slmsql.stage"]
         assert r.data.tags.get(tracking.NOTE), f"{r.info.run_name} has no description"
