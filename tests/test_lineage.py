@@ -143,6 +143,7 @@ def test_text2sql_is_logged_into_the_grpo_policys_model(tmp_path):
     assert other != uri
     model = mlflow.get_logged_model(policy)
     assert str(model.status) == "READY" and model.source_run_id == grpo.info.run_id
+    assert "It also holds the servable `text2sql` MLflow model" in model.tags["mlflow.note.content"]
     outputs = [o.model_id for o in mlflow.get_run(grpo.info.run_id).outputs.model_outputs]
     assert outputs.count(policy) == 1 and set(outputs) == {policy, other.removeprefix("models:/")}
     version = mlflow.register_model(uri, "text2sql-test")

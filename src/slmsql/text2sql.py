@@ -211,4 +211,8 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
     finally:  # Model.log makes the model "active": the run's later metrics (publish's) would be filed under it
         mlflow.clear_active_model()
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    if model is policy:  # its page says it holds the servable model now
+        from .lineage import describe_model
+
+        describe_model(model.model_id)
     return info.model_uri, False
