@@ -2,8 +2,8 @@
 outbox on local disk, so a tracking server that goes away (a restart, a deploy, an OOM kill) costs the run
 nothing it measured, and training never waits for it.
 
-Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's final
-status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
+Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's files
+and final status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
 `<folder>/files/`, before anything is sent. A thread sends the records in order, noting in `<folder>/sent` how
 many are done with; while the server does not answer it retries with backoff and the records wait on disk.
 When the stage ends it waits up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it
@@ -138,6 +138,11 @@ class Outbox:
 
     def log_artifacts(self, folder, artifact_path: str | None = None) -> None:
         self._append({"kind": "artifacts", "artifact_path": artifact_path}, source=Path(folder))
+
+    def log_model_artifact(self, model_id: str, path, artifact_path: str | None = None) -> None:
+        """A file or folder into a LoggedModel's own artifacts (a policy's adapter: lineage.py)."""
+        self._append({"kind": "model_artifact", "model_id": model_id, "artifact_path": artifact_path},
+                     source=Path(path))
 
     def log_figure(self, figure, artifact_file: str) -> None:
         self._append({"kind": "artifact", "artifact_path": _parent(artifact_file)},
@@ -324,6 +329,11 @@ def send(client, folder: Path, record: dict) -> None:
             entry = {"path": record["artifact_file"], "type": "table"}
             if entry not in tables:
                 client.set_tag(run, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables + [entry]))
+        elif kind == "model_artifact" and Path(file).is_dir():
+            folder = "/".join(filter(None, (record["artifact_path"], Path(file).name)))
+            client.log_model_artifacts(record["model_id"], file, folder)
+        elif kind == "model_artifact":
+            client.log_model_artifact(record["model_id"], file, record["artifact_path"])
         elif kind == "model":
             client.finalize_logged_model(record["model_id"], record["status"])
         elif kind == "end":

@@ -1,8 +1,13 @@
 """MLflow 3's model-centric lineage: each trained policy is a LoggedModel, made by the run that trained it, and
 each evaluation's EX is a metric of that model on its eval set (the experiment's Models tab).
 
-A policy's LoggedModel holds no second copy of its weights: its tag `slmsql.files` names the run artifact that
-holds them (`runs:/<training run>/policy` or `.../adapter`), which every stage loads by that URI. `publish` later
+Its tag `slmsql.files` names the run artifact that holds the policy's files (`runs:/<training run>/policy` or
+`.../adapter`), which every stage loads by that URI. An adapter (a few megabytes) is also copied into the model's
+own artifacts when its run ends; a full model stays a reference, said in the description. The model's params are
+its run's that define it (not configs.RUN_ONLY: where and how it ran). Its description (`describe_model`, the
+tag MLflow's UI shows on a LoggedModel's page, as on a run's: the page shows no tags) says what it is, which run
+trained it on what, where its files are, its slmsql tags, and its EX per eval set, rewritten whenever a run uses
+it or an evaluation logs EX to it. `publish` later
 logs the servable text2sql model into the GRPO policy's LoggedModel and registers it (text2sql.log_text2sql), so
 the registry's version, the model and the training run are one line. The training run carries the model's id as
 the tag `slmsql.logged_model`, by which an evaluation finds the model of the policy it scored.
@@ -23,6 +28,7 @@ log = logging.getLogger(__name__)
 MODEL_TAG = "slmsql.logged_model"  # on a training run: the id of the LoggedModel of the policy it trained
 FILES_TAG = "slmsql.files"  # on a LoggedModel: the run artifact holding its files (runs:/<run id>/<path>)
 DIGEST_TAG = "slmsql.digest"  # on an external model of a folder: what its files held (`digest`)
+KIND_TAG = "slmsql.policy_kind"  # on a policy's LoggedModel: adapter (its files copied into the model) or full
 TYPE = "text2sql-policy"
 # An evaluation's metrics that are its model's on that eval set: EX, one column per eval set in the Models tab (each
 # metric there is a 200 px column per eval set); its interval, counts and paired test stay the evaluation run's.
@@ -35,13 +41,16 @@ def model_name(run_name: str) -> str:
     return NOT_IN_NAMES.sub("_", run_name)
 
 
-def start_policy_model(run_id: str, name: str, files: str) -> str:
+def start_policy_model(run_id: str, name: str, files: str, adapter: bool = True) -> str:
     """The LoggedModel (PENDING) of the policy run `run_id` is training, an output of that run, with the run's
-    params, its files named by `files` (an artifact path of the run). The run's end finalizes it
-    (durable.Outbox.track_model). A resumed run keeps the model it started with. Needs the server: called where
-    the run has just started."""
+    params that define it, its files named by `files` (an artifact path of the run; `adapter`: a PEFT adapter,
+    which the stage also copies into the model, else a full model), and its description. The run's end finalizes
+    it (durable.Outbox.track_model). A resumed run keeps the model it started with. Needs the server: called
+    where the run has just started."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
+
+    from .configs import RUN_ONLY
 
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
@@ -49,11 +58,52 @@ def start_policy_model(run_id: str, name: str, files: str) -> str:
         return have
     model = client.create_logged_model(
         run.info.experiment_id, name=model_name(name), source_run_id=run_id, model_type=TYPE,
-        tags={FILES_TAG: f"runs:/{run_id}/{files}", "slmsql.stage": run.data.tags.get("slmsql.stage", "")},
-        params={k: v[:6000] for k, v in run.data.params.items()})
+        tags={FILES_TAG: f"runs:/{run_id}/{files}", "slmsql.stage": run.data.tags.get("slmsql.stage", ""),
+              KIND_TAG: "adapter" if adapter else "full"},
+        params={k: v[:6000] for k, v in run.data.params.items() if k.split(".")[0] not in RUN_ONLY})
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     client.set_tag(run_id, MODEL_TAG, model.model_id)
+    describe_model(model.model_id)
     return model.model_id
+
+
+STAGE_NAMES = {"sft": "SFT", "grpo": "GRPO"}
+
+
+def describe_model(model_id: str) -> str:
+    """Set the LoggedModel's description from what the store holds (module docstring); returns it."""
+    import mlflow
+
+    from .descriptions import run_link
+    from .tracking import NOTE
+    from .wording import pct
+
+    client = mlflow.MlflowClient()
+    model = client.get_logged_model(model_id)
+    tags, files = model.tags, model.tags.get(FILES_TAG, "")
+    if model.source_run_id:
+        run = client.get_run(model.source_run_id)
+        p, stage, adapter = run.data.params, tags.get("slmsql.stage", ""), tags.get(KIND_TAG) == "adapter"
+        text = (f"{STAGE_NAMES.get(stage, stage)} policy ({'a LoRA adapter' if adapter else 'a full model'}), "
+                f"trained by run {run_link(run)} on `{p.get('data', '?')}`, starting from `{p.get('model', '?')}`"
+                + (f" with the adapter `{p['base_adapter']}`" if p.get("base_adapter") else "") + ".\n\nFiles: "
+                + (f"this model's artifacts, `{files.rsplit('/', 1)[-1]}/` (copied when the run ended), and the "
+                   f"run's artifact `{files}`, by which every stage loads it." if adapter else
+                   f"the run's artifact `{files}`, by which every stage loads it (a full model: not copied here)."))
+    else:
+        text = (f"A model slmsql did not train, used as it is: `{files}`.\n\nFiles: none here; every stage loads it "
+                f"from `{files}` (a Hub id or a path in the project).")
+    if "slmsql.fingerprint" in tags:
+        text += " It also holds the servable `text2sql` MLflow model (pyfunc) that `publish` logged and registered."
+    latest = {}
+    for m in sorted((m for m in model.metrics or [] if m.key in MODEL_METRICS), key=lambda m: m.timestamp):
+        latest[m.dataset_name] = m  # each eval set's latest evaluation
+    ex = [f"{name} {pct(m.value)}" + (f" ({run_link(client.get_run(m.run_id))})" if m.run_id else "")
+          for name, m in sorted(latest.items())]
+    text += "\n\nEX per eval set: " + (", ".join(ex) if ex else "not evaluated yet") + "."
+    text += "\n\nTags: " + ", ".join(f"`{k}` = {v}" for k, v in sorted(tags.items()) if k.startswith("slmsql.")) + "."
+    client.set_logged_model_tags(model_id, {NOTE: text})
+    return text
 
 
 def trained_by(model: str, adapter: str = "") -> str | None:
@@ -139,3 +189,4 @@ def log_model_input(run_id: str, model_id: str | None) -> None:
 
     if model_id:
         mlflow.MlflowClient().log_inputs(run_id, models=[LoggedModelInput(model_id)])
+        describe_model(model_id)

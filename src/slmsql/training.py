@@ -224,12 +224,22 @@ def summary_metrics(log_history: list[dict]) -> dict:
 
 def save_policy(model, tokenizer, folder: Path) -> None:
     """The trained policy and its tokenizer, without the README.md PEFT writes into an adapter folder: that
-    boilerplate ("More Information Needed") would pass for a model card; publish writes the real one."""
+    boilerplate ("More Information Needed") would pass for a model card; publish writes the real one. An
+    adapter's base as every machine names it (`tracking.portable`: a fetched run artifact as its run URI), not
+    the folder it was loaded from here."""
+    import json
+
+    from .data import write_json
+    from .tracking import portable
+
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     readme = Path(folder) / "README.md"
     if readme.is_file() and "More Information Needed" in readme.read_text(encoding="utf-8", errors="replace"):
         readme.unlink()
+    config = Path(folder) / "adapter_config.json"
+    if config.is_file() and (base := json.loads(config.read_text()).get("base_model_name_or_path")):
+        write_json(config, {**json.loads(config.read_text()), "base_model_name_or_path": portable(base)})
 
 
 def last_checkpoint(work: Path):

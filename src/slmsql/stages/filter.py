@@ -30,7 +30,7 @@ def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking
+    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking, wording
     from ..models import load_tokenizer, policy_folder
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
@@ -90,9 +90,12 @@ def main(cfg: FilterConfig) -> dict:
             tracking.log_dataset(band, "rl", out / "band.jsonl", context="output",
                                  uri=f"runs:/{run.info.run_id}/band.jsonl")
         tracking.describe(descriptions.filter_note(summary))
+        mlflow.set_tag(tracking.RESULT, wording.band_result(summary))
         report = datachecks.run_rl_check(work_dir / "band.jsonl", cfg.db_root, work_dir / "summary.json", cfg.low,
                                          cfg.high)
-        tracking.log_json(report.to_json(), "data_check/rl.json")
+        # the files it checked as this run and the database run name them (runs:/...), not as folders of this machine
+        names = {str(work_dir): f"runs:/{run.info.run_id}", str(cfg.db_root): tracking.portable(cfg.db_root)}
+        tracking.log_json(tracking.renamed(report.to_json(), names), "data_check/rl.json")
         mlflow.log_metric("data_check_success", float(report.success))
         if not report.success:
             raise SlmsqlError("the rl data check failed on the filter's own output:\n" + report.to_markdown())
