@@ -68,3 +68,25 @@ def test_compact_head_on_cpu_gives_trls_every_position_results(tiny, tmp_path, m
     assert set(metrics_a) == {"entropy", "mean_token_accuracy", "num_tokens"}
     for key in metrics_a:
         assert metrics_b[key] == pytest.approx(metrics_a[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("version, replaced", [("1.16.0", True), ("1.17.0", False), ("1.15.2", False)])
+def test_compact_head_replaces_trls_private_name_only_in_the_releases_it_was_checked_on(version, replaced,
+                                                                                        monkeypatch, caplog):
+    import trl
+
+    monkeypatch.setattr(trl_utils, "_use_triton", chunked_logprob._use_triton)
+    monkeypatch.setattr(trl, "__version__", version)
+    caplog.clear()
+    training.compact_fused_head()
+    assert (trl_utils._use_triton is not chunked_logprob._use_triton) == replaced
+    assert trl_utils._use_triton(torch.device("cpu")) == replaced  # the compact path on a CPU, or TRL's own
+    warned = [r.message for r in caplog.records if "compact fused LM head" in r.message]
+    assert bool(warned) != replaced and (not warned or version in warned[0])
+
+
+def test_compact_head_leaves_a_trl_without_the_name_alone_and_says_so(monkeypatch, caplog):
+    monkeypatch.delattr(trl_utils, "_use_triton")
+    training.compact_fused_head()
+    assert not hasattr(trl_utils, "_use_triton")
+    assert any("compact fused LM head" in r.message for r in caplog.records)

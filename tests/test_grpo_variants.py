@@ -213,7 +213,7 @@ def completions(cfg, step: int):
 
 def test_gate_on_all_wrong_groups_moves_nothing(toy_runs):
     cfg, run, m, _ = toy_runs["gate"]
-    assert run.data.params["advantage_gate"] == "correctness" and run.data.params["dynamic_sampling"] == "False"
+    assert run.data.params["advantage_gate"] == "correctness" and run.data.params["dynamic_sampling"] == "false"
     # TRL alone would push: the shaped rewards (0.3 and 0.0) vary within every group
     assert m["frac_reward_zero_std"] == [0.0, 0.0] and m["exec/correct"] == [0.0, 0.0]
     assert m["loss"] == [0.0, 0.0] and m["grad_norm"] == [0.0, 0.0]
@@ -226,7 +226,7 @@ def test_gate_on_all_wrong_groups_moves_nothing(toy_runs):
 
 def test_dynamic_sampling_counts_and_learns(toy_runs):
     cfg, run, m, client = toy_runs["dynamic"]
-    assert run.data.params["dynamic_sampling"] == "True" and run.data.params["max_resample_rounds"] == "2"
+    assert run.data.params["dynamic_sampling"] == "true" and run.data.params["max_resample_rounds"] == "2"
     ds = {k: m[f"dynamic_sampling/{k}"] for k in ("groups_sampled", "groups_kept", "groups_dropped",
                                                  "groups_filled", "extra_rounds")}
     assert all(len(v) == 2 for v in ds.values())  # one value per step

@@ -83,6 +83,51 @@ def test_a_model_no_run_trained_is_one_external_model_for_every_run_that_uses_it
     assert len(client.search_logged_models([exp])) == 2
 
 
+def test_an_adapter_of_unknown_origin_credits_no_model(tmp_path, monkeypatch):
+    """A GRPO adapter in a local folder on the SFT policy's run URI: no run is known to have trained the adapter, so
+    its EX goes to no LoggedModel; above all not to the SFT model, whose page would show a GRPO policy's EX."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "grpo").mkdir(parents=True)
+    with _training_run("sft") as sft:
+        lineage.start_policy_model(sft.info.run_id, "sft", "policy")
+    base = f"runs:/{sft.info.run_id}/policy"
+    local_base = str(tmp_path / "outputs" / "from-runs" / sft.info.run_id / "policy")  # its fetched copy
+    with mlflow.start_run() as run:
+        for model in (base, local_base):
+            assert lineage.trained_by(model, "outputs/grpo") is None
+            assert lineage.policy_model(run.info.experiment_id, model, str(tmp_path / "outputs" / "grpo")) is None
+    assert len(mlflow.MlflowClient().search_logged_models([run.info.experiment_id])) == 1  # the SFT model alone
+
+
+def test_a_folder_retrained_in_place_is_a_new_external_model(tmp_path, monkeypatch):
+    """A project folder's external model is found again by its path and what the folder holds (a digest of its
+    files, tag `slmsql.digest`): `outputs/sft` retrained with --overwrite is a new model, not the old one's EX."""
+    import random
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "outputs" / "sft"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    weights = folder / "model.safetensors"
+    weights.write_bytes(random.Random(0).randbytes(6 << 20))
+    with mlflow.start_run() as run:
+        exp = run.info.experiment_id
+        first = lineage.policy_model(exp, str(folder))
+        assert lineage.policy_model(exp, "outputs/sft") == first  # the same files, by any spelling of the path
+        retrained = bytearray(weights.read_bytes())
+        retrained[3 << 20:(3 << 20) + 4096] = bytes(4096)  # a few KiB in the middle moved: same size, same config
+        weights.write_bytes(retrained)
+        second = lineage.policy_model(exp, "outputs/sft")
+        assert second != first and lineage.policy_model(exp, "outputs/sft") == second
+    client = mlflow.MlflowClient()
+    old, new = client.get_logged_model(first), client.get_logged_model(second)
+    assert old.tags[lineage.FILES_TAG] == new.tags[lineage.FILES_TAG] == "outputs/sft"
+    assert new.tags[lineage.DIGEST_TAG] == lineage.digest(folder) != old.tags[lineage.DIGEST_TAG]
+    shutil.copytree(folder, tmp_path / "copy")  # content, not the path or the files' times
+    assert lineage.digest(tmp_path / "copy") == lineage.digest(folder)
+
+
 def test_descriptions_link_related_runs_once_however_often_linked():
     from slmsql import descriptions, tracking
 
@@ -143,7 +188,58 @@ def test_text2sql_is_logged_into_the_grpo_policys_model(tmp_path):
     assert other != uri
     model = mlflow.get_logged_model(policy)
     assert str(model.status) == "READY" and model.source_run_id == grpo.info.run_id
+    assert "It also holds the servable `text2sql` MLflow model" in model.tags["mlflow.note.content"]
     outputs = [o.model_id for o in mlflow.get_run(grpo.info.run_id).outputs.model_outputs]
     assert outputs.count(policy) == 1 and set(outputs) == {policy, other.removeprefix("models:/")}
     version = mlflow.register_model(uri, "text2sql-test")
     assert version.run_id == grpo.info.run_id and version.source == uri
+    # its MLmodel names where each artifact came from: as named in the folder publish gave, not that folder
+    mlmodel = mlflow.artifacts.download_artifacts(artifact_uri=f"{model.artifact_location}/MLmodel",
+                                                  dst_path=str(tmp_path / "got"))
+    text = open(mlmodel).read()
+    assert "uri: adapter\n" in text and str(tmp_path) not in text
+
+
+def test_a_policy_model_page_stands_alone(tmp_path):
+    """A LoggedModel's page shows its description (the tag mlflow.note.content, as a run's), its params and its
+    artifacts, not its tags: the description says what the model is, which run trained it on what, where its files
+    are and its slmsql tags, and follows its EX per eval set; the params are only those that define it; an
+    adapter's files come into the model through the outbox with the run's end, a full model stays a reference."""
+    from slmsql import tracking
+
+    client = mlflow.MlflowClient()
+    with _training_run("grpo") as grpo:
+        mlflow.log_params({"data": "runs:/" + "d" * 32 + "/band.jsonl", "output_dir": "/home/me/out/grpo",
+                           "overwrite": "true", "run_name": "grpo", "workers": "2", "trainer_args.warmup_ratio": "0.1"})
+        model_id = lineage.start_policy_model(grpo.info.run_id, "grpo", "adapter")
+        adapter = tmp_path / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text('{"r": 8}')
+        box = durable.Outbox(tmp_path / "out.outbox", wait=0)
+        box.start(grpo.info.run_id, background=False)
+        box.track_model(model_id)
+        box.log_model_artifact(model_id, adapter)
+        box.end_run("FINISHED")
+    durable.sync(tmp_path / "out.outbox")
+    model = client.get_logged_model(model_id)
+    assert set(model.params) == {"model", "learning_rate", "data", "trainer_args.warmup_ratio"}
+    assert [f.path for f in client.list_logged_model_artifacts(model_id)] == ["adapter"]
+    note = model.tags[tracking.NOTE]
+    exp, run_id = grpo.info.experiment_id, grpo.info.run_id
+    assert note.startswith(f"GRPO policy (a LoRA adapter), trained by run [grpo](#/experiments/{exp}/runs/{run_id}) "
+                           f"on `runs:/{'d' * 32}/band.jsonl`, starting from `runs:/{'a' * 32}/policy`.")
+    assert f"this model's artifacts, `adapter/`" in note and "EX per eval set: not evaluated yet." in note
+    assert f"`{lineage.FILES_TAG}` = runs:/{run_id}/adapter" in note and "`slmsql.policy_kind` = adapter" in note
+
+    with mlflow.start_run(run_name="eval-grpo-dev") as ev:  # an evaluation logs EX to the model: its page says so
+        (tmp_path / "dev.jsonl").write_text('{"id": "q1"}\n')
+        data = tracking.log_dataset([{"id": "q1"}], "toy-dev", tmp_path / "dev.jsonl", context="evaluation")
+        mlflow.log_metrics({"ex": 0.375}, model_id=model_id, dataset=data)
+        lineage.describe_model(model_id)
+    note = client.get_logged_model(model_id).tags[tracking.NOTE]
+    assert f"EX per eval set: toy-dev 37.5% ([eval-grpo-dev](#/experiments/{exp}/runs/{ev.info.run_id}))." in note
+
+    with _training_run("sft") as sft:  # a full fine-tune: a reference, said so
+        full = lineage.start_policy_model(sft.info.run_id, "sft", "policy", adapter=False)
+    note = client.get_logged_model(full).tags[tracking.NOTE]
+    assert note.startswith("SFT policy (a full model)") and "(a full model: not copied here)" in note

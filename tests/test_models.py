@@ -221,7 +221,8 @@ def test_row_sampler_draws_from_the_warped_distribution(temperature, top_p, top_
     probabilities computed here by hand."""
     from scipy.stats import chisquare
 
-    from slmsql.generation import _RowSampler, sample_seed
+    from slmsql.generation import _RowSampler
+    from slmsql.seeds import sample_seed
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # sorted descending: the filters below rely on it
     p = torch.softmax(logits / temperature, dim=0)

@@ -104,6 +104,51 @@ def test_a_record_cut_short_by_a_crash_is_dropped(tmp_path):
     assert [r["n"] for r in records] == [0] and sent == 0
 
 
+def left_unsent(folder, records, status="FINISHED"):
+    """An outbox holding `records` ((kind, payload) pairs) and the run's end, none sent (the server was away);
+    returns the run's id. A tag keyed `bad!key` is one the server refuses: no '!' in a tag's name."""
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        for kind, payload in records:
+            box.log_metrics(payload[0], step=payload[1]) if kind == "metrics" else box.set_tag(*payload)
+        box.end_run(status)
+    return run.info.run_id
+
+
+REFUSED = [("metrics", ({"loss": 1.0}, 1)), ("tag", ("bad!key", "x")), ("metrics", ({"loss": 0.5}, 2))]
+
+
+def test_a_refused_record_is_set_aside_and_blocks_no_later_stage(tmp_path):
+    """A record the store refuses (a tag name it does not allow): set aside with the reason beside the outbox; the
+    records after it are sent, and the next attempt, which sends what the earlier one left first, starts."""
+    folder = tmp_path / "out.outbox"
+    run_id = left_unsent(folder, REFUSED, "FAILED")
+    client = mlflow.MlflowClient()
+    with durable.Outbox(folder, wait=60) as box, \
+            tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+        box.log_metrics({"loss": 0.25}, step=3)
+    assert client.get_run(run_id).info.status == "FINISHED" and not folder.exists()
+    [aside] = durable.refused(folder)
+    assert aside.startswith(f"run {run_id}: record 1 (tag): ") and "bad!key" in aside
+    assert json.loads(durable.refused_file(folder).read_text())["record"]["key"] == "bad!key"
+
+
+def test_a_leftover_sent_count_cannot_swallow_new_records(tmp_path):
+    """An outbox whose deletion a crash cut short can leave its `sent` count without its records; the next
+    outbox in that folder starts afresh instead of counting its own first records as sent."""
+    folder = tmp_path / "out.outbox"
+    folder.mkdir()
+    (folder / "sent").write_text("5")
+    run_id = left_unsent(folder, [("metrics", ({"loss": 1.0}, 1)), ("metrics", ({"loss": 0.5}, 2))])
+    n, _ = durable.sync(folder)
+    assert n == 3
+    client = mlflow.MlflowClient()
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+
+
 def test_wait_must_be_a_number(monkeypatch, tmp_path):
     monkeypatch.setenv(durable.WAIT_ENV, "soon")
     with pytest.raises(SlmsqlError, match="SLMSQL_TRACKING_WAIT_S='soon' is not a number"):
@@ -286,3 +331,59 @@ def test_grpo_keeps_training_through_a_server_restart(policy, server, tmp_path, 
     assert not durable.folder_for(cfg.output_dir).exists()
     [model] = client.search_logged_models([run.info.experiment_id])  # made while the server was up, finalized after
     assert str(model.status) == "READY" and model.source_run_id == run.info.run_id and model.name == "grpo"
+
+
+@pytest.mark.slow
+def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(server, tmp_path):
+    """On a real server: the stage's sender sets a refused record aside and sends the rest (the stage ends
+    without an error); `slmsql sync-tracking` (a new process) does the same with an outbox left unsent, then
+    shows what it set aside, with the server's reason, and shows it again once the outbox is gone."""
+    import subprocess
+    import sys
+
+    live, kept = tmp_path / "live.outbox", tmp_path / "kept.outbox"
+    sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(kept)]
+    with tracking_store(server.uri):  # the new process's MLFLOW_TRACKING_URI too
+        with mlflow.start_run() as run, durable.Outbox(live, wait=60) as box:
+            box.start(run.info.run_id)
+            for kind, payload in REFUSED:
+                box.log_metrics(payload[0], step=payload[1]) if kind == "metrics" else box.set_tag(*payload)
+            box.end_run("FINISHED")
+        kept_run = left_unsent(kept, REFUSED)
+        done = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+        again = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+    assert not live.exists() and "bad!key" in durable.refused(live)[0]
+    assert done.returncode == 0, done.stderr
+    assert f"sent 3 tracking record(s) to {server.uri}" in done.stdout and not kept.exists()
+    assert f"1 record(s) the tracking server refused, set aside in {kept}.refused.jsonl" in done.stdout
+    assert f"run {kept_run}: record 1 (tag): " in done.stdout and "bad!key" in done.stdout
+    assert again.returncode == 0 and "tracking record(s) to" not in again.stdout and "bad!key" in again.stdout
+    client = mlflow.MlflowClient(server.uri)
+    for run_id in (run.info.run_id, kept_run):
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_system_metrics_resume_after_an_outage(server, tmp_path, monkeypatch):
+    """`system/*` goes through the outbox: samples taken while the server was away reach it once it is back,
+    and sampling goes on to the run's end (MLflow's sampler quits at its first failed call)."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    key = "system/cpu_utilization_percentage"
+    client = mlflow.MlflowClient(server.uri)
+    with tracking_store(server.uri), durable.Outbox(tmp_path / "out.outbox", wait=60) as box, \
+            tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), system_metrics=True,
+                               outbox=box) as run:
+        deadline = time.monotonic() + 30
+        while not client.get_metric_history(run.info.run_id, key) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server.kill()
+        away = time.time() * 1000
+        time.sleep(2.5)
+        server.start()
+        back = time.time() * 1000
+        time.sleep(2.5)
+    points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+    assert [m.step for m in points] == list(range(len(points)))  # none lost, none twice
+    assert sum(away < m.timestamp < back for m in points) >= 3  # sampled while the server was away
+    assert sum(m.timestamp > back for m in points) >= 3  # and on after it came back

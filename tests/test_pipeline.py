@@ -129,7 +129,7 @@ def test_every_run_describes_its_result_in_documented_names(lifecycle):
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, children = _runs(uri)
-    assert "Metric vocabulary" in exp.tags[tracking.NOTE]
+    assert "Metric names: docs/vocabulary.md" in exp.tags[tracking.NOTE]
     for r in [parent, *children.values()]:
         stage = r.data.tags["slmsql.stage"]
         assert r.data.tags.get(tracking.NOTE), f"{r.info.run_name} has no description"
@@ -240,7 +240,7 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
     """The SFT policy and the GRPO adapter are LoggedModels of the runs that trained them, each with the EX of its
     evaluations on both eval sets, linked to that eval set's dataset; the registered text2sql version is the GRPO
     policy's model (run -> logged model -> version)."""
-    from slmsql import lineage
+    from slmsql import configs, descriptions, lineage, tracking
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -259,6 +259,17 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
             evaluation = c[f"eval-{stage}-{split}"]
             [digest] = {i.dataset.digest for i in evaluation.inputs.dataset_inputs if i.dataset.name == f"toy-{split}"}
             assert ex[f"toy-{split}"] == (evaluation.data.metrics["ex"], digest, evaluation.info.run_id)
+        # its page stands alone: a description (what it is, the run that trained it, its EX per eval set, its tags:
+        # the page shows none), only the params that define it, and an adapter's files (a full model's: a reference)
+        note = model.tags[tracking.NOTE]
+        assert note.startswith(f"{stage.upper()} policy (") and descriptions.run_link(trained) in note
+        for split in ("dev", "dev_cross"):
+            assert f"toy-{split} {100 * ex[f'toy-{split}'][0]:.1f}% ({descriptions.run_link(c[f'eval-{stage}-{split}'])})" in note
+        assert f"`{lineage.FILES_TAG}` = {model.tags[lineage.FILES_TAG]}" in note
+        assert not set(configs.RUN_ONLY) & set(model.params) and model.params["max_steps"] == trained.data.params["max_steps"]
+    assert "(a full model: not copied here)" in models["sft"].tags[tracking.NOTE]  # the tiny model, fine-tuned in full
+    got = {f.path for f in client.list_logged_model_artifacts(models["grpo"].model_id, "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= got
     # each run that sampled or scored a policy names its model as an input
     used = {name: [i.model_id for i in client.get_run(c[name].info.run_id).inputs.model_inputs]
             for name in ("filter", "eval-sft-dev", "eval-grpo-dev_cross")}
@@ -275,26 +286,55 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
     assert version.source == f"models:/{models['grpo'].model_id}"
 
 
+BINARY = (".safetensors", ".bin", ".sqlite", ".png", ".parquet", ".pkl", ".pt")  # not scanned: no text in them
+
+
+def _machine_folders(root) -> tuple[str, ...]:
+    """The folders of this machine a store could name: the test's tmp root (output folder, store, Hub cache),
+    the clone the code runs from, the Python environment, the temporary folder (tempfile's work folders)."""
+    import tempfile
+
+    import slmsql
+
+    clone = Path(slmsql.__file__).resolve().parents[2]
+    return tuple({str(root), str(root.resolve()), str(clone), sys.prefix, tempfile.gettempdir().rstrip("/") + "/"})
+
+
 @pytest.mark.slow
-def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lifecycle):
-    """What a run records names runs (runs:/, models:/), Hub ids or project-relative paths, never the folder on
-    this machine it wrote to or read from. The one exception: the `output_dir` params, the location the user gave
-    (outside the project here, so absolute; inside it, as in `make demo`, relative)."""
+def test_no_machine_path_anywhere_in_the_store_or_the_publish_folder(lifecycle, tmp_path):
+    """What a run, a model, a card or a Hub upload keeps names runs (runs:/, models:/), Hub ids or project-relative
+    paths, never a folder of this machine: every param, tag (descriptions and mlflow.source.* included), dataset
+    source, artifact name and text artifact of every run, every LoggedModel's tags, params and text files,
+    every registry version, and the publish folder. The one exception: the `output_dir` params, the location the
+    user gave (outside the project here, so absolute; inside it, as in `make demo`, relative)."""
+    import mlflow
+
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     client, exp, parent, children = _runs(uri)
-    machine = (str(root.resolve()), str(root))  # the tmp root holds the output folder, the store, the Hub cache
-    found = []
+    machine = _machine_folders(root)
+    found, scanned = [], []
 
     def scan(where, text):
         if any(m in str(text) for m in machine):
-            found.append((where, str(text)[:200]))
+            found.append((where, str(text)[:300]))
 
-    def artifacts(run_id, path=None):
+    def text_files(where, folder):
+        for f in sorted(Path(folder).rglob("*")):
+            if f.is_file() and f.suffix not in BINARY and b"\0" not in (data := f.read_bytes())[:4096]:
+                scanned.append(f"{where}/{f.relative_to(folder)}")
+                scan(f"{where}/{f.relative_to(folder)}", data.decode("utf-8", "replace"))
+
+    def artifacts(run_id, name, path=None):
         for f in client.list_artifacts(run_id, path):
-            scan(f"artifact of {run_id}", f.path)
+            scan(f"artifact name of {name}", f.path)
             if f.is_dir:
-                artifacts(run_id, f.path)
+                artifacts(run_id, name, f.path)
+            elif not f.path.endswith(BINARY):
+                got = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=f.path,
+                                                          dst_path=str(tmp_path / run_id), tracking_uri=uri)
+                scanned.append(f"{name}:{f.path}")
+                scan(f"{name} artifact {f.path}", Path(got).read_text(encoding="utf-8", errors="replace"))
 
     scan("experiment tags", exp.tags)
     for r in client.search_runs([exp.experiment_id]):  # every run in the store, not only the pipeline's
@@ -302,19 +342,32 @@ def test_no_machine_path_in_params_tags_descriptions_artifact_names_or_cards(lif
         for k, v in r.data.params.items():
             if k != "output_dir":
                 scan(f"{name} param {k}", v)
-        for k, v in r.data.tags.items():  # descriptions (mlflow.note.content) included
+            if v in ("True", "False"):  # one spelling of booleans: the steps' (true/false)
+                found.append((f"{name} param {k}", v))
+        for k, v in r.data.tags.items():  # descriptions (mlflow.note.content) and mlflow.source.* included
             scan(f"{name} tag {k}", v)
         for i in r.inputs.dataset_inputs:
             scan(f"{name} dataset {i.dataset.name}", i.dataset.source)
-        artifacts(r.info.run_id)
+        artifacts(r.info.run_id, name)
     for m in client.search_logged_models([exp.experiment_id]):
-        scan(f"model {m.name} tags", m.tags)
-        scan(f"model {m.name} params", {k: v for k, v in m.params.items() if k != "output_dir"})
+        scan(f"model {m.name} tags", m.tags)  # its description is the tag mlflow.note.content
+        scan(f"model {m.name} params", m.params)
+        if client.list_logged_model_artifacts(m.model_id):  # a full model's files stay its run's
+            folder = tmp_path / "models" / m.model_id
+            folder.mkdir(parents=True)
+            text_files(f"model {m.name}", mlflow.artifacts.download_artifacts(
+                artifact_uri=m.artifact_location, dst_path=str(folder), tracking_uri=uri))
     for v in client.search_model_versions():
         scan(f"version {v.name}/{v.version}", [v.tags, v.source, v.description])
-    for card in (root / "out" / "publish" / "README.md", root / "out" / "publish" / "base" / "README.md"):
-        scan(card.name, card.read_text())
+    text_files("publish folder", root / "out" / "publish")  # what went to the Hub: adapter, base, both cards
     assert found == []
+    # the scan read what it promises: each kind of text artifact, the adapter's config in the run, the model and the
+    # Hub upload, the filter's data check, the published model's MLmodel
+    for want in ("grpo:adapter/slmsql_grpo_config.json", "filter:data_check/rl.json", "publish:publish.json",
+                 "eval-grpo-dev:results.jsonl", "publish folder/slmsql_grpo_config.json",
+                 "publish folder/base/README.md", "model grpo/adapter/slmsql_grpo_config.json",
+                 "model grpo/MLmodel"):
+        assert any(s.endswith(want) or s == want for s in scanned), want
     # the card names its base by the run that trained it, and the GRPO run's adapter mode agrees with its params
     sft, grpo = children["sft"], children["grpo"]
     assert grpo.data.tags["slmsql.model"] == f"runs:/{sft.info.run_id}/policy" == grpo.data.params["model"]
@@ -351,6 +404,13 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
     assert parent.data.tags[tracking.GROUP_BY] == "toy-dev, toy-dev_cross"
     assert parent.data.tags[tracking.RESULT] == "; ".join(
         f"{split} GRPO vs SFT: {c[f'eval-grpo-{split}'].data.tags[tracking.RESULT]}" for split in ("dev", "dev_cross"))
+    # each run's result in one cell, the training runs' too (the view has no metric column)
+    filt, grpo = c["filter"], c["grpo"].data.metrics
+    assert filt.data.tags[tracking.RESULT] == f"band {filt.data.metrics['band']:.0f} of {filt.data.metrics['n_source']:.0f} (0.2 < p < 0.8)"
+    assert c["grpo"].data.tags[tracking.RESULT] == (
+        f"correctness varied in {grpo['summary/exec/frac_groups_correctness_varies']:.0%} of groups, "
+        f"{grpo['summary/frac_reward_zero_std']:.0%} zero-variance")
+    assert c["sft"].data.tags[tracking.RESULT].startswith("loss ")
     assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
     assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too
 

@@ -388,8 +388,9 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
     meta = mlflow.models.Model.load(str(local))
     pyfunc = meta.flavors["python_function"]
     assert pyfunc["config"] == {"base_model": BASE, "base_repo": None, "prompt_style": "compact",
-                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "greedy": True,
+                                      "example_values": 0, "max_new_tokens": 128, "batch_size": 16, "decoding": "greedy",
                                       "grpo_run": store["grpo"], "hub_repo": REPO}
+    assert pyfunc["artifacts"]["adapter"]["uri"] == "adapter"  # as named in publish's folder, not that folder
     assert set(pyfunc["artifacts"]) == {"adapter"} and meta.signature.inputs.input_names() == \
         ["question", "schema", "db_path", "evidence"] and meta.saved_input_example_info
     for name in out.iterdir():  # the model's adapter is the pushed folder
@@ -823,11 +824,11 @@ def test_sweep_card_of_several_starts_shows_each_rows_start(store, tmp_path):
 
 
 def test_reproduce_command_prints_only_what_differs_from_the_defaults():
-    """Params come back from MLflow as text: a default logged as 'false' or 'all-linear' is not printed,
-    a changed value is, quoted for the shell."""
+    """Params come back from MLflow as text: a default logged as 'false' (or 'False', by an older slmsql) or
+    'all-linear' is not printed, a changed value is, quoted for the shell."""
     from slmsql.card import command
 
-    params = {"dynamic_sampling": "false", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
+    params = {"dynamic_sampling": "False", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
               "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1",
               "output_dir": "/home/me/outputs/grpo"}  # where it wrote: not a machine path on the card
     lines = command("grpo", params).split(" \\\n    ")

@@ -20,7 +20,6 @@ for this process and every Ray process it starts. Authentication: a token made f
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -225,6 +224,7 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     runs = [client.search_runs([client.get_experiment_by_name(d).experiment_id])[0] for d in ("local", "ray")]
     assert stage_metrics(runs[0]) == stage_metrics(runs[1])
     assert [r.data.params["engine"] for r in runs] == ["local", "ray"]
+    assert [r.data.tags["slmsql.dtype"] for r in runs] == ["float32", "float32"]  # Ray: as its actors report it
 
 
 def left_holding(root: Path, wait_s: float = 60) -> list[int]:
@@ -293,30 +293,20 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
 
 @pytest.mark.slow
 def test_killed_driver_resumes_from_finished_questions(policy, reference, local_ray, tmp_path):
-    """`slmsql filter --engine ray` joins the shared Ray as its own driver process and is SIGKILLed once the
-    first rows are in; the rerun keeps those rows (marked here), scores only the rest, continues the same
-    MLflow run, and ends with the local engine's files."""
+    """`slmsql filter --engine ray` joins the shared Ray as its own driver process and is SIGKILLed right after
+    its 5th row is written (tests/driver_faults.py: no polling race); the rerun keeps those rows (marked here),
+    scores only the rest, continues the same MLflow run, and ends with the local engine's files."""
     data, ref, ref_metrics = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial" / "passrates.jsonl"
-    # One question per scoring batch: rows reach the driver one actor call apart, not in a burst that could all
-    # be written between two polls (it happened: the scorer ran ahead while the driver was busy, 41 of 41 written).
-    opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_score_batch": 1, "ray_address": local_ray}
-    proc = subprocess.Popen([sys.executable, "-m", "slmsql.cli", "filter", *cli_args(opts)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while lines(partial) == 0 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-3000:]
-    rows = []
-    for line in partial.read_text().splitlines():  # a kill mid-write may leave a torn last line
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
-    assert 0 < len(rows) < 41 and not out.exists()
+    opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_address": local_ray}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "driver_faults.py"), "5", "filter",
+                           *cli_args(opts)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                          timeout=600)
+    with contextlib.suppress(ProcessLookupError):  # its sandbox workers, as a kill -9 of its group leaves them
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+    rows = read(partial)  # killed after the rows were written and synced: no torn line
+    assert 5 <= len(rows) < 41 and not out.exists()
     write(partial, [{**r, "mark": True} for r in rows])  # a rerun that scored them again would drop the mark
 
     run_filter(policy, data, out, engine="ray")  # the shared Ray, as the default address finds it

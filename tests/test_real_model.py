@@ -122,11 +122,36 @@ def test_every_stage_finishes_on_the_hub_id(stages):
     assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
 
 
+def end_of_turn_rows(adapter, data, db_root, n: int, monkeypatch) -> list[list[int]]:
+    """The completion token ids evaluate's generation decodes for the first `n` questions of `data` (the
+    decoded text cannot show where generation stopped: special tokens are skipped)."""
+    from slmsql import configs, generation, models
+    from slmsql.data import read_gold
+
+    cfg = configs.load(configs.EvaluateConfig, str(RECIPES / "evaluate.yaml"), {
+        "data": str(data), "db_root": str(db_root), "model": MODEL, "adapter": adapter, "max_new_tokens": 48})
+    lm, tok = models.load_model(MODEL, cfg.adapter or None)
+    rows, decode = [], tok.batch_decode
+    monkeypatch.setattr(tok, "batch_decode", lambda ids, **k: rows.extend(ids.tolist()) or decode(ids, **k))
+    generation.predict(cfg, read_gold(cfg.data)[:n], (lm, tok), progress=False)
+    return rows
+
+
 @pytest.mark.slow
-def test_answers_end_at_the_end_of_turn(stages):
-    """Generation stops at the chat template's end of turn: no completion carries a next turn's markup."""
-    for row in stages["predictions"] + stages["sft_predictions"]:
-        assert "<|im_start|>" not in row["completion"] and "<|im_end|>" not in row["completion"]
+def test_answers_end_at_the_end_of_turn(stages, monkeypatch):
+    """Generation stops at the chat template's end of turn: each completion is its answer's tokens, then only
+    <|im_end|> (SmolLM2's eos, and its pad) to the end of the batch; never a next turn's <|im_start|>."""
+    from transformers import AutoTokenizer
+
+    start, end = AutoTokenizer.from_pretrained(MODEL).convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    rows = end_of_turn_rows(str(stages["root"] / "sft"), stages["world"] / "dev.jsonl",
+                            stages["world"] / "databases", 6, monkeypatch)
+    assert len(rows) == 6
+    for ids in rows:
+        assert start not in ids, ids
+        if end in ids:
+            assert set(ids[ids.index(end):]) == {end}, ids
+    assert sum(end in ids for ids in rows) >= 3  # most answers end within 48 tokens: the check above ran
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_sft_lora_mlflow_run(lora, policy):
     assert {"loss", "grad_norm", "learning_rate", "train_loss", "steps", "train_seconds"} <= set(m)
     assert m["steps"] == 4 and m["train_loss"] > 0
     assert sorted(h.step for h in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
-    assert run.data.params["use_lora"] == "True" and run.data.params["max_steps"] == "4"
+    assert run.data.params["use_lora"] == "true" and run.data.params["max_steps"] == "4"
     policy_files = {f.path for f in client.list_artifacts(run.info.run_id, "policy")}
     assert {"policy/adapter_config.json", "policy/adapter_model.safetensors", "policy/tokenizer.json",
             "policy/sft_summary.json"} <= policy_files
@@ -295,7 +295,7 @@ def test_prediction_utf8_cannot_encode_is_scored_and_written(tmp_path):
     rows = {r["id"]: r for r in read_jsonl(out / "results.jsonl")}
     assert len(rows) == 10 and rows["q3"]["status"] == "missing"
     q1 = rows["q1"]
-    assert q1["pred_sql"] == "SELECT '\ud800'"  # the same Python string that was read
+    assert q1["predicted_sql"] == "SELECT '\ud800'"  # the same Python string that was read
     assert (q1["correct"], q1["status"]) == (False, "error") and "surrogates not allowed" in q1["error"]
     assert json.loads((out / "metrics.json").read_text())["n"] == 10
     (run,) = mlflow.search_runs(experiment_names=["slmsql"], output_format="list")

@@ -86,6 +86,9 @@ def test_evaluation_descriptions_state_the_result(paired):
     # 4 of 10 right: the Wilson 95% interval of 0.4 at n = 10 is [0.1682, 0.6873]
     assert base.data.tags[tracking.NOTE] == \
         "EX 40.0% (95% Wilson interval 16.8% to 68.7%) on 10 questions of gold, bird match."
+    # the run page prints a metric's double in full: statistics are logged to 6 significant digits
+    assert (base.data.metrics["ex_ci_low"], base.data.metrics["ex_ci_high"]) == (0.16818, 0.687326)
+    assert base.data.tags["mlflow.source.name"] == "slmsql evaluate"  # not the script's path on this machine
     note = best.data.tags[tracking.NOTE]
     assert note.startswith("EX 100.0% (95% Wilson interval 72.2% to 100.0%)")  # 10 of 10: [0.7225, 1]
     # 6 questions only the oracle got right, none only the baseline: exact McNemar p = 2 / 2**6 = 0.03125
@@ -113,7 +116,12 @@ def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paire
     assert saved["name"] == "slmsql"
     assert view["groupBy"]["groupByKeys"] == [{"mode": "tag", "groupByData": "slmsql.dataset"}]
     assert f"tags.`{tracking.RESULT}`" in view["selectedColumns"]
-    assert not [c for c in view["selectedColumns"] if c.startswith(("metrics.`ex", "metrics.`vs_baseline"))]
+    # no metric column: a group row would show its aggregate ("- (max)" where the group lacks the metric)
+    assert not [c for c in view["selectedColumns"] if c.startswith("metrics.")]
+    # group labels fit their column; charts draw runs, not groups (whose label for runs without an eval set is
+    # "Unassigned" there, "Additional runs" in the table)
+    assert view["columnWidths"][tracking.RUN_NAME_COLUMN] >= 260 and view["columnOrder"][0] == tracking.RUN_NAME_COLUMN
+    assert view["useGroupedValuesInCharts"] is False
 
 
 def test_experiment_has_a_description(paired):
@@ -267,6 +275,40 @@ def test_param_value_and_to_params():
     assert "adapter_mode" not in params and "base_adapter" not in params and "reward_weights" not in params
     params = configs.to_params(configs.GRPOStageConfig(base_adapter="a", adapter_mode="stack"))
     assert params["adapter_mode"] == "stack"
+    # booleans spelled as the command line, MLproject and every workflow step spell them
+    assert (params["use_lora"], params["dynamic_sampling"]) == ("true", "false") == (
+        configs.param_text(True), configs.param_text(False))
+
+
+def test_files_a_run_keeps_name_runs_and_project_paths(tmp_path, monkeypatch):
+    """The adapter's config (pushed to the Hub with it) and the filter's data check name what they read as the
+    runs that hold it, or relative to the project; a config leaves out where and how the stage ran."""
+    monkeypatch.chdir(tmp_path)
+    fetched = tmp_path / "outputs" / tracking.FROM_RUNS / RUN_ID
+    cfg = configs.GRPOStageConfig(data=str(fetched / "band.jsonl"), db_root=str(tmp_path / "dbs"), model="org/m",
+                                  output_dir=str(tmp_path / "outputs" / "grpo"), rewards=["execution"])
+    kept = tracking.portable_config(cfg)
+    assert (kept["data"], kept["db_root"], kept["model"]) == (f"runs:/{RUN_ID}/band.jsonl", "dbs", "org/m")
+    assert not set(configs.RUN_ONLY) & set(kept) and kept["rewards"] == ["execution"] and kept["use_lora"] is True
+    report = {"data": "/m/out/filter/band.jsonl", "parameters": {"db_root": "/m/dbs"},
+              "examples": [["no database at /m/dbs/shop/shop.sqlite"]]}
+    assert tracking.renamed(report, {"/m/out/filter": f"runs:/{RUN_ID}", "/m/dbs": "runs:/x/databases"}) == {
+        "data": f"runs:/{RUN_ID}/band.jsonl", "parameters": {"db_root": "runs:/x/databases"},
+        "examples": [["no database at runs:/x/databases/shop/shop.sqlite"]]}
+
+
+def test_results_rows_of_an_older_slmsql_read_in_todays_names():
+    """results.jsonl names an answer's outcome and SQL as the tables do (`status`: correct, wrong_result, error...;
+    `predicted_sql`); a baseline run written before (`status` ok for SQL that ran, `pred_sql`) reads the same."""
+    from slmsql.scoring import result_row
+
+    old = [{"id": "a", "correct": True, "status": "ok", "pred_sql": "SELECT 1"},
+           {"id": "b", "correct": False, "status": "ok", "pred_sql": "SELECT 2"},
+           {"id": "c", "correct": False, "status": "no_sql", "pred_sql": None}]
+    new = [result_row(r) for r in old]
+    assert [(r["status"], r["predicted_sql"]) for r in new] == [
+        ("correct", "SELECT 1"), ("wrong_result", "SELECT 2"), ("no_sql", None)]
+    assert [result_row(r) for r in new] == new and not any("pred_sql" in r for r in new)
 
 
 # ---- figures --------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def command(stage: str, params: dict) -> str:
     defaults = cls()
     lines = [f"slmsql {stage}"]
     for f in dataclasses.fields(cls):
-        if f.name in ("overwrite", "resume", "run_name", "experiment", "output_dir"):
+        if f.name in configs.RUN_ONLY:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "trainer_args":
@@ -92,6 +92,8 @@ def command(stage: str, params: dict) -> str:
                       for k, v in sorted(params.items()) if k.startswith("trainer_args.")]
             continue
         value = params.get(f.name)
+        if isinstance(getattr(defaults, f.name), bool) and value is not None:
+            value = str(value).lower()  # a run of an older slmsql logged True/False
         # compared as parameter text: a logged 'false' or 'all-linear' is the default False or ['all-linear']
         if value is not None and str(value) != configs.param_text(getattr(defaults, f.name)):
             lines.append(f"{flag} {shlex.quote(str(value))}")

@@ -124,14 +124,21 @@ def server_cmd(host, port, store, backend_store_uri, artifacts):
 
 
 @main.command("sync-tracking")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("folder", type=click.Path(file_okay=False))
 def sync_tracking_cmd(folder):
     """Send the tracking records a training stage kept in FOLDER (`<output-dir>.outbox`) while its MLflow server
-    did not answer, in order; the run then ends as the stage ended it. FOLDER is deleted once all are sent."""
-    from .durable import sync
+    did not answer, in order; the run then ends as the stage ended it. FOLDER is deleted once all are sent. Then
+    show the records the server refused (set aside in `FOLDER.refused.jsonl`, beside it), with its reasons."""
+    from .durable import refused, refused_file, sync
 
-    n, uri = sync(folder)
-    click.echo(f"sent {n} tracking record(s) to {uri}; removed {folder}")
+    aside = refused(folder)
+    if os.path.exists(folder) or not aside:  # an outbox all sent is gone; what it set aside is not
+        n, uri = sync(folder)
+        click.echo(f"sent {n} tracking record(s) to {uri}; removed {folder}")
+        aside = refused(folder)
+    if aside:
+        click.echo(f"{len(aside)} record(s) the tracking server refused, set aside in {refused_file(folder)} "
+                   "(never sent again; delete the file once read):\n  " + "\n  ".join(aside))
 
 
 @main.command("runs")

@@ -472,6 +472,12 @@ def param_text(value) -> str:
     return str(value)
 
 
+# Fields that say where and how a stage ran, not what it computed: a trained model's params leave them out
+# (lineage), and so does the command a card prints to reproduce a run (card.command)
+RUN_ONLY = ("output_dir", "overwrite", "resume", "run_name", "experiment", "workers", "allow_prompt_change",
+            "save_steps", "completions_every")
+
+
 # GRPO fields a sweep sets itself, and the option that sets them
 SWEEP_OWNED = {"seed": "--seeds", "model": "--model", "base_adapter": "--base-adapter", "data": "--data",
                "db_root": "--db-root", "experiment": "--experiment", "output_dir": "the sweep (per cell)",
@@ -615,8 +621,6 @@ def to_params(cfg) -> dict:
             continue
         if isinstance(v, dict):
             out.update({f"{k}.{kk}": json.dumps(vv) for kk, vv in v.items()})
-        elif isinstance(v, list):
-            out[k] = ",".join(map(str, v))
-        else:
-            out[k] = str(v)
+        else:  # booleans as the command line and MLproject write them (true/false), as every step logs them
+            out[k] = param_text(v)
     return out

@@ -2,18 +2,26 @@
 outbox on local disk, so a tracking server that goes away (a restart, a deploy, an OOM kill) costs the run
 nothing it measured, and training never waits for it.
 
-Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's final
-status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
+Each record (a step's metrics with their step and time, a tag, a table, an artifact, a LoggedModel's files
+and final status, the run's end) is appended to `<folder>/records.jsonl`, the files it names linked or copied under
 `<folder>/files/`, before anything is sent. A thread sends the records in order, noting in `<folder>/sent` how
-many went through; while the server does not answer it retries with backoff and the records wait on disk.
+many are done with; while the server does not answer it retries with backoff and the records wait on disk.
 When the stage ends it waits up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it
-cannot, the records stay for `slmsql sync-tracking <folder>`.
+cannot, the records stay for `slmsql sync-tracking <folder>`. A record the server refuses (a 4xx: retrying
+cannot help) is set aside with the server's reason in `<folder>.refused.jsonl`, beside the outbox, and the
+records after it go on; `slmsql sync-tracking <folder>` shows what was set aside.
+
+System metrics (`system/*`: CPU, memory, disk, network, GPU) are sampled by MLflow's sampler and logged through
+the outbox too: MLflow's own asks the server at every sample whether the run still runs and quits for good at
+its first failed call, so `system/*` would stop at an outage for the rest of the run.
 
 Once: a record whose answer was lost (stored by the server, timed out here) is sent again, so every record is
 idempotent at the server: metrics go with their original step and timestamp (the store keeps one point per
 key, step, timestamp and value), tags, tables and artifacts write the same value or file again, a LoggedModel's
 status and the end set the same status (and end time). MLflow's own log_table appends to an existing table, so
-tables are written as files here instead.
+tables are written as files here instead. On a file store (file:./mlruns) a metric point sent twice is
+stored twice (that store appends without looking): there the one record in flight when a stage or
+`sync-tracking` was killed can leave its points doubled; the SQLite store, and a server over it, keep one.
 
 Why not MLflow's: its async logging queues metrics, params and tags in memory and drops a batch the server
 refuses (no artifacts, nothing kept on disk); its HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES) block the
@@ -56,6 +64,13 @@ def sync_command(folder) -> str:
     return f"slmsql sync-tracking {folder}"
 
 
+def refused_file(folder) -> Path:
+    """Where the records the server refused are set aside: `<outbox>.refused.jsonl`, beside the outbox (it
+    outlives the outbox, which is deleted once every record has gone or been set aside)."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".refused.jsonl")
+
+
 class Refused(Exception):
     """The server answered and refused a record: retrying will not help."""
 
@@ -77,6 +92,8 @@ class Outbox:
         self._error: Exception | None = None  # the last failure, while the server does not answer
         self._thread: threading.Thread | None = None
         self._models: list[str] = []  # LoggedModels finalized with the run's end (track_model)
+        self._refused = 0  # records the server refused, set aside (set_aside)
+        self._monitor = None  # the system-metrics sampler (system_metrics_sampler), when the stage asked for one
 
     def send_earlier(self) -> None:
         """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
@@ -86,10 +103,17 @@ class Outbox:
             log.info("sent %d tracking record(s) an earlier attempt left in %s", n, self.folder)
 
     # --- the stage's side: append a record; never waits for the server ------------------------------------
-    def start(self, run_id: str, background: bool = True) -> None:
+    def start(self, run_id: str, background: bool = True, system_metrics: bool = False,
+              resume: bool = False) -> None:
+        """Start sending. `system_metrics`: sample them into the outbox (module docstring), continuing the
+        run's `system/*` steps when `resume`."""
         import mlflow
 
         self.run_id = run_id
+        if not (self.folder / "meta.json").is_file():
+            # what is here was all sent: an outbox is deleted only once empty, meta.json with it (a deletion a
+            # crash cut short leaves the rest; a `sent` count left alone would skip as many new records)
+            shutil.rmtree(self.folder, ignore_errors=True)
         (self.folder / "files").mkdir(parents=True, exist_ok=True)
         # where the records go (`sync` reads it); a folder an earlier attempt left was emptied by send_earlier
         (self.folder / "meta.json").write_text(json.dumps({"tracking_uri": mlflow.get_tracking_uri()}),
@@ -98,6 +122,9 @@ class Outbox:
         if background:
             self._thread = threading.Thread(target=self._send_loop, name="slmsql-outbox", daemon=True)
             self._thread.start()
+        if system_metrics:
+            self._monitor = system_metrics_sampler(self, run_id, resume)
+            self._monitor.start()
 
     def log_metrics(self, metrics: dict, step: int = 0) -> None:
         self._append({"kind": "metrics", "metrics": {k: float(v) for k, v in metrics.items()}, "step": int(step),
@@ -111,6 +138,11 @@ class Outbox:
 
     def log_artifacts(self, folder, artifact_path: str | None = None) -> None:
         self._append({"kind": "artifacts", "artifact_path": artifact_path}, source=Path(folder))
+
+    def log_model_artifact(self, model_id: str, path, artifact_path: str | None = None) -> None:
+        """A file or folder into a LoggedModel's own artifacts (a policy's adapter: lineage.py)."""
+        self._append({"kind": "model_artifact", "model_id": model_id, "artifact_path": artifact_path},
+                     source=Path(path))
 
     def log_figure(self, figure, artifact_file: str) -> None:
         self._append({"kind": "artifact", "artifact_path": _parent(artifact_file)},
@@ -129,11 +161,17 @@ class Outbox:
 
     def end_run(self, status: str) -> None:
         """The run's end goes last into the outbox; here the run ends without asking the server."""
+        self._stop_monitor()  # its last sample before the end
         for model_id in self._models:  # after the files it names, before the end
             self._append({"kind": "model", "model_id": model_id,
                           "status": "READY" if status == "FINISHED" else "FAILED"})
         self._append({"kind": "end", "status": status, "time": int(time.time() * 1000)})
         end_locally(self.run_id)
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
 
     def _append(self, record: dict, source: Path | None = None, write=None, name: str | None = None) -> None:
         from .outputs import link_or_copy
@@ -172,11 +210,8 @@ class Outbox:
             try:
                 send(client, self.folder, record)
             except Refused as e:
-                log.error("the tracking server refused a record; it stays in %s: %s", self.folder, e)
-                with self._cond:
-                    self._error = e
-                    self._cond.notify_all()
-                return
+                set_aside(self.folder, record, e)
+                self._refused += 1
             except Exception as e:  # the server does not answer: keep the records, try again later
                 if self._error is None:
                     log.warning("MLflow tracking server does not answer (%s); training goes on, its records are "
@@ -200,9 +235,10 @@ class Outbox:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.run_id is None:  # never started (not the main process, or the run never began)
             return
+        self._stop_monitor()
         deadline = time.monotonic() + self.wait
         with self._cond:
-            self._cond.wait_for(lambda: self._sent >= len(self._records) or isinstance(self._error, Refused)
+            self._cond.wait_for(lambda: self._sent >= len(self._records)
                                 or self._thread is None or not self._thread.is_alive(),
                                 timeout=max(0.0, deadline - time.monotonic()))
             self._stop = True
@@ -210,6 +246,10 @@ class Outbox:
         if self._thread is not None:
             self._thread.join()  # at most one request's MLFLOW_HTTP_REQUEST_TIMEOUT, or the rest if it answers
         left = len(self._records) - self._sent
+        if self._refused:
+            log.error("%d tracking record(s) of run %s were refused by the server, set aside in %s; `%s` shows "
+                      "them with the server's reasons", self._refused, self.run_id, refused_file(self.folder),
+                      sync_command(self.folder))
         if left == 0:
             shutil.rmtree(self.folder, ignore_errors=True)
             return
@@ -289,6 +329,11 @@ def send(client, folder: Path, record: dict) -> None:
             entry = {"path": record["artifact_file"], "type": "table"}
             if entry not in tables:
                 client.set_tag(run, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables + [entry]))
+        elif kind == "model_artifact" and Path(file).is_dir():
+            folder = "/".join(filter(None, (record["artifact_path"], Path(file).name)))
+            client.log_model_artifacts(record["model_id"], file, folder)
+        elif kind == "model_artifact":
+            client.log_model_artifact(record["model_id"], file, record["artifact_path"])
         elif kind == "model":
             client.finalize_logged_model(record["model_id"], record["status"])
         elif kind == "end":
@@ -306,7 +351,7 @@ def send(client, folder: Path, record: dict) -> None:
 
 def sync(folder) -> tuple[int, str]:
     """Send what an outbox still holds, in order (`slmsql sync-tracking`); delete it once empty. Returns the
-    number of records sent and where they went."""
+    number of records the server took (those it refused are set aside: `refused`) and where they went."""
     from . import tracking
 
     folder = Path(folder)
@@ -316,15 +361,65 @@ def sync(folder) -> tuple[int, str]:
     os.environ["MLFLOW_TRACKING_URI"] = _uri(folder)
     uri = tracking.configure()  # fails at once, and clearly, while the server is still away
     client = _client(folder)
+    took = 0
     for i in range(sent, len(records)):
         try:
             send(client, folder, records[i])
+            took += 1
+        except Refused as e:
+            set_aside(folder, records[i], e)
         except Exception as e:
             raise SlmsqlError(f"{folder}: record {i} of {len(records)} not sent ({_short(e)}); "
                               f"{len(records) - i} left, run this again") from None
         _write_sent(folder, i + 1)
     shutil.rmtree(folder)
-    return len(records) - sent, uri
+    return took, uri
+
+
+def set_aside(folder: Path, record: dict, reason: Exception) -> None:
+    """Keep a record the server refused, with its reason, in `refused_file` (the sender goes on without it)."""
+    log.error("the tracking server refused %s of run %s; set aside in %s", reason, record["run"],
+              refused_file(folder))
+    with open(refused_file(folder), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"reason": str(reason), "record": record}) + "\n")
+
+
+def refused(folder) -> list[str]:
+    """The records set aside from outbox `folder`, one line each: what, of which run, and the server's reason."""
+    path = refused_file(folder)
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [f"run {e['record']['run']}: {e['reason']}" for e in lines]
+
+
+def system_metrics_sampler(outbox: Outbox, run_id: str, resume: bool):
+    """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
+    samples logged through `outbox` and nothing asked of the server after it starts (its `monitor` loop, less the
+    server call at every sample; mlflow 3.17.2, pinned). `resume`: step on from the run's last `system/*` step."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
+        data = ()
+
+        def record_metrics(self, metrics, step):
+            outbox.log_metrics(metrics, step)
+
+        def flush(self):
+            pass
+
+    class Sampler(SystemMetricsMonitor):
+        def monitor(self):
+            while not self._shutdown_event.is_set():
+                for _ in range(self.samples_before_logging):
+                    self.collect_metrics()
+                    if self._shutdown_event.wait(self.sampling_interval):
+                        return
+                self.publish_metrics(self.aggregate_metrics())
+
+    sampler = Sampler(run_id, resume_logging=resume)
+    sampler.mlflow_logger = ToOutbox()
+    return sampler
 
 
 def end_locally(run_id: str) -> None:

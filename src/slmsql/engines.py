@@ -10,7 +10,7 @@ Two engines, one contract, the same rows:
   double-counts one.
 
 Rows do not depend on the engine or on how the questions are split: sampled completions are seeded by
-(seed, question id, sample index) (`generation.sample_seed`), scoring is deterministic, and each row holds
+(seed, question id, sample index) (`seeds.sample_seed`), scoring is deterministic, and each row holds
 one whole question (its K samples are aggregated where they are scored). The driver writes rows as they
 arrive (`on_rows`), which is what lets a killed driver resume from the questions already finished.
 
@@ -48,7 +48,14 @@ class Work:
         tokenizer = models.load_tokenizer(self.cfg.model)
         if longest is None:
             longest = self.longest_prompt(examples, tokenizer)
-        return vllm_engine.load(self.cfg, longest, tokenizer)
+        share = self.cfg.ray_gpus_per_generator if self.cfg.engine == "ray" else 0.0
+        return vllm_engine.load(self.cfg, longest, tokenizer, gpu_memory_utilization=gpu_memory_utilization(share))
+
+    @staticmethod
+    def policy_dtype(policy) -> str:
+        """The precision a loaded policy generates in ('' when it does not say): a transformers model's dtype,
+        or the one its vLLM engine was built with."""
+        return str(getattr(policy[0], "dtype", "")).removeprefix("torch.")
 
     def longest_prompt(self, examples: list[Example], tokenizer) -> int:
         """Tokens in the longest prompt generate() will build for `examples` (0: none)."""
@@ -96,12 +103,24 @@ class Work:
         return Limits(timeout_s=self.cfg.timeout_s)
 
 
+VLLM_GPU_MEMORY = 0.9  # vLLM's default gpu_memory_utilization: the share of a whole GPU an engine claims
+
+
+def gpu_memory_utilization(gpus: float) -> float | None:
+    """vLLM's gpu_memory_utilization for an engine given `gpus` of a GPU (a Ray actor's num_gpus): a fraction
+    claims that fraction of vLLM's default, so the engines sharing a GPU fit beside each other (two at 0.5:
+    0.45 each); None (vLLM's default) for a whole GPU or more, and where none is reserved (local, CPU)."""
+    return round(VLLM_GPU_MEMORY * gpus, 4) if 0 < gpus < 1 else None
+
+
 def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], None], *,
         payloads: dict[str, object] | None = None, chunk: int | None = None, policy=None) -> None:
     """Score every example exactly once; `on_rows` gets each finished batch (in any order on Ray).
     `payloads` given (evaluate --predictions): nothing is generated. Local engine: `chunk` questions per
-    round (default: all at once), `policy` the model `check` loaded (else loaded here)."""
+    round (default: all at once), `policy` the model `check` loaded (else loaded here). The precision the
+    policy generated in, on either backend and engine, is the active MLflow run's slmsql.dtype tag."""
     seen: set[str] = set()
+    dtypes: set[str] = set()
 
     def accept(items: list[Item]) -> None:
         # The exactly-once guard: whatever an engine retried, a question reaches the output once.
@@ -114,9 +133,13 @@ def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], Non
     if not examples:
         return
     if work.cfg.engine == "ray":
-        _run_ray(work, examples, accept, payloads)
+        _run_ray(work, examples, accept, payloads, dtypes)
     else:
-        _run_local(work, examples, accept, payloads, chunk or len(examples), policy)
+        _run_local(work, examples, accept, payloads, chunk or len(examples), policy, dtypes)
+    if dtypes - {""}:
+        from .models import tag_dtype
+
+        tag_dtype(", ".join(sorted(dtypes - {""})))
     if len(seen) != len(examples):
         lost = [e.id for e in examples if e.id not in seen]
         raise SlmsqlError(f"engine {work.cfg.engine} returned no row for {len(lost)} questions, e.g. {lost[:3]}")
@@ -132,8 +155,17 @@ def run_params(work: Work) -> dict:
 
 
 def check_settings(work: Work, generating: bool) -> None:
-    """The checks that read no model files at all (a stage makes them first): what vLLM cannot honour, vLLM or
-    Ray missing."""
+    """The checks that read no weights (a stage makes them first): the adapter was trained on this base model
+    (the one check for both backends: PEFT would load a same-shaped adapter of another base, vLLM too), what
+    vLLM cannot honour, vLLM or Ray missing."""
+    if generating and work.cfg.adapter:
+        from .models import check_adapter_base
+
+        check_adapter_base(work.cfg.adapter, work.cfg.model)
+    if generating and work.cfg.engine != "ray":  # Ray's actors resolve it on their own device
+        from .models import dtype_name
+
+        dtype_name(work.cfg.dtype)
     if generating and work.cfg.backend == "vllm":
         from . import vllm_engine
 
@@ -158,11 +190,13 @@ def check(work: Work, generating: bool, examples: list[Example] = ()):
 
 # ---- local -------------------------------------------------------------------------------------------------
 
-def _run_local(work, examples, on_rows, payloads, chunk, policy=None):
+def _run_local(work, examples, on_rows, payloads, chunk, policy, dtypes):
     from .sandbox import SandboxPool
 
     if payloads is None and policy is None:
         policy = work.load_policy(examples)
+    if policy is not None:
+        dtypes.add(work.policy_dtype(policy))
     with SandboxPool(work.cfg.workers or None, work.limits()) as pool:
         for start in range(0, len(examples), chunk):
             part = examples[start:start + chunk]
@@ -207,7 +241,8 @@ class _Generate:
     def __call__(self, batch: dict) -> dict:
         examples = [example_from_json(x) for x in batch["example"]]
         got = self.work.generate(examples, self.policy, progress=False)
-        return {**batch, "payload": [dumps(got.get(e.id)) if e.id in got else "" for e in examples]}
+        return {**batch, "payload": [dumps(got.get(e.id)) if e.id in got else "" for e in examples],
+                "dtype": [self.work.policy_dtype(self.policy)] * len(examples)}
 
 
 class _Score:
@@ -227,10 +262,11 @@ class _Score:
         examples = [example_from_json(x) for x in batch["example"]]
         payloads = {e.id: json.loads(p) for e, p in zip(examples, batch["payload"]) if p}
         rows = self.work.score(examples, payloads, self.pool)
-        return {"idx": batch["idx"], "payload": batch["payload"], "row": [dumps(r) for r in rows]}
+        return {"idx": batch["idx"], "payload": batch["payload"], "row": [dumps(r) for r in rows],
+                "dtype": batch["dtype"] if "dtype" in batch else [""] * len(examples)}
 
 
-def _run_ray(work: Work, examples, on_rows, payloads):
+def _run_ray(work: Work, examples, on_rows, payloads, dtypes):
     import json
 
     import ray.data
@@ -263,6 +299,7 @@ def _run_ray(work: Work, examples, on_rows, payloads):
             batch_size=cfg.ray_score_batch, compute=ActorPoolStrategy(size=cfg.ray_scorers),
             num_cpus=cfg.ray_cpus_per_scorer)
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            dtypes.update(str(d) for d in batch["dtype"])
             on_rows([(examples[int(i)], json.loads(p) if p else None, json.loads(r))
                      for i, p, r in zip(batch["idx"], batch["payload"], batch["row"])])
     finally:

@@ -15,8 +15,6 @@ same completions on the same machine. The filter keys prompts by question id.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
@@ -26,6 +24,7 @@ from .errors import SlmsqlError
 from .extract import extract_sql
 from .models import stop_ids
 from .prompts import builder_for, render_prompt
+from .seeds import sample_seed
 
 
 def _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
@@ -41,13 +40,6 @@ def _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetiti
                           f"{repetition_penalty}")
     if max_new_tokens < 1 or batch_size < 1:
         raise SlmsqlError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
-
-
-def sample_seed(seed: int, key: str, index: int) -> int:
-    """The seed of sample `index` of the prompt keyed `key`: a stable hash (Python's hash() is salted per
-    process), 63 bits so it fits torch's and vLLM's seeds."""
-    digest = hashlib.blake2b(f"{seed}\x00{key}\x00{index}".encode("utf-8", "surrogatepass"), digest_size=8)
-    return int.from_bytes(digest.digest(), "big") >> 1
 
 
 class _RowSampler:

@@ -2,7 +2,8 @@
 
 Adapter/base matching rule (`check_adapter_base`): the adapter's `adapter_config.json` records
 `base_model_name_or_path`. Each side is expanded into the names it is known by, lower-cased, trailing `/`
-dropped: the string itself; for an existing local directory also its real path, the `_name_or_path` /
+dropped: the string itself (and, for a fetched run artifact, its run URI: `runs:/<id>/policy`, as adapters
+record their base); for an existing local directory also its real path, the `_name_or_path` /
 `name_or_path` in its `config.json` when present, and `org/name` when it is a Hub cache snapshot
 (`.../models--org--name/snapshots/...`). The two match when those sets share a name. Otherwise, unless both
 sides are existing local directories (two different local checkpoints), the last path component decides, so
@@ -52,8 +53,10 @@ def _norm(name: str) -> str:
 
 def _names(name: str) -> tuple[set[str], bool]:
     """The names a model is known by (see the module docstring) and whether it is a local directory."""
+    from .tracking import param_value
+
     path = Path(name).expanduser()
-    names = {_norm(name)}
+    names = {_norm(name), _norm(param_value(name))}  # a fetched run artifact is also its run URI (runs:/<id>/policy)
     local = path.is_dir()
     if local:
         names.add(_norm(path.resolve()))
@@ -144,8 +147,10 @@ def record_stack(folder: str | os.PathLike, base_adapter: str | os.PathLike, mer
         shutil.copytree(beneath / STACK_BASE, copy / STACK_BASE, dirs_exist_ok=True)
     if not (copy / "adapter_config.json").is_file():
         raise SlmsqlError(f"adapter '{base_adapter}': no adapter_config.json to copy into {copy}")
+    from .tracking import portable
+
     write_json(Path(folder) / STACK_RECORD, {
-        "base_adapter": on, "copy": STACK_BASE,
+        "base_adapter": portable(on), "copy": STACK_BASE,
         "note": f"trained on the base model with {STACK_BASE}/ merged in: merge it before applying this adapter"})
 
 
@@ -155,6 +160,15 @@ def adapter_folder(adapter: str | os.PathLike) -> Path:
     if path.is_dir() or is_path(str(adapter)):
         return path
     return _hub_files(str(adapter), [*ADAPTER_FILES, f"{STACK_BASE}/*"])
+
+
+def policy_folder(model: str, adapter: str | None = None) -> Path | None:
+    """Where a policy's records lie: its adapter's folder (downloaded when a Hub id), else the model's folder
+    when it is local (a Hub model is a base: nothing trained it here)."""
+    if adapter:
+        return adapter_folder(adapter)
+    path = Path(str(model)).expanduser()
+    return path if path.is_dir() else None
 
 
 def check_adapter_base(adapter: str | os.PathLike, model: str | os.PathLike) -> None:
@@ -286,7 +300,7 @@ def load_model(
         raise SlmsqlError("merge_adapter=True needs an adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    _tag_dtype(dtype)
+    tag_dtype(dtype)
     if adapter is not None:
         check_adapter_base(adapter, model)
     tokenizer = load_tokenizer(model)
@@ -316,7 +330,7 @@ def load_model(
     return lm, tokenizer
 
 
-def _tag_dtype(dtype: torch.dtype) -> None:
+def tag_dtype(dtype: torch.dtype | str) -> None:
     """The resolved precision as the active MLflow run's slmsql.dtype tag (the stage's param says only 'auto')."""
     import mlflow
 

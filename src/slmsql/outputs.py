@@ -47,6 +47,7 @@ class Staged:
         self.overwrite, self.resume = overwrite, resume
         self.identity = None if identity is None else json.loads(json.dumps(identity, default=str))
         self.run_id: str | None = None  # the unfinished run this one continues, if any
+        self._continues()  # a rerun with other parameters is refused here, before the stage loads any model
 
     @property
     def resumable(self) -> bool:
@@ -64,13 +65,22 @@ class Staged:
             elif self.resume is False:
                 raise SlmsqlError(f"{self.work} holds an unfinished run: pass --resume to continue it, or --overwrite")
         self.work.mkdir(parents=True, exist_ok=True)
+        return self._continues()
+
+    def _continues(self) -> str | None:
+        """The unfinished run in the staging folder this one continues (None: none there); refused when it ran
+        with other parameters, naming them."""
         state = self.work / STATE
-        if self.resumable and state.exists():
-            saved = json.loads(state.read_text(encoding="utf-8"))
-            if saved["identity"] != self.identity:
-                raise SlmsqlError(f"{self.work} holds an unfinished run with other parameters; delete it to start over")
-            return saved["run_id"]
-        return None
+        if not (self.resumable and state.exists()) or (self.resume is False and self.overwrite):
+            return None
+        saved = json.loads(state.read_text(encoding="utf-8"))
+        then, now = saved["identity"], self.identity
+        differ = ", ".join(f"{k}: {then.get(k)!r} then, {now.get(k)!r} now" for k in sorted({*then, *now})
+                           if then.get(k) != now.get(k))
+        if differ:
+            raise SlmsqlError(f"{self.work} holds an unfinished run with other parameters ({differ}); rerun with "
+                              "its parameters to finish it, or delete it to start over")
+        return saved["run_id"]
 
     def bind(self, run_id: str) -> None:
         """Record the MLflow run doing this work, so a rerun after a crash continues it (main process)."""

@@ -72,17 +72,6 @@ def check_trained_with(policy, mine: dict, allow: bool) -> None:
     log.warning("policy %s was trained on other prompts (%s): going on (--allow-prompt-change)", policy, text)
 
 
-def policy_folder(model: str, adapter: str | None = None) -> Path | None:
-    """Where a policy's records lie: its adapter's folder (downloaded when a Hub id), else the model's folder
-    when it is local (a Hub model is a base: nothing trained it here)."""
-    from .models import adapter_folder
-
-    if adapter:
-        return adapter_folder(adapter)
-    path = Path(str(model)).expanduser()
-    return path if path.is_dir() else None
-
-
 def preflight(cfg, examples, tokenizer, *, policy, new_tokens: int) -> tuple[dict, dict]:
     """The checks of a stage about to prompt `policy` (a folder or None) for `examples`: its prompt settings
     (returned as params) are the policy's, and every prompt leaves `new_tokens` of the model's context

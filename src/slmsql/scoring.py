@@ -87,11 +87,19 @@ def score_predictions(examples: list[Example], predictions: dict[str, dict], db_
         hows.append(how)
     rows = []
     for ex, how, (_, sql, _), o in zip(examples, hows, items, judge(items, executor, match)):
-        status = "missing" if how == "missing" else o.status
+        status = "missing" if how == "missing" else o.outcome
         rows.append({"id": ex.id, "db_id": ex.db_id, "difficulty": ex.difficulty, "correct": o.correct,
-                     "status": status, "extracted_by": how, "pred_sql": sql, "error": o.error,
+                     "status": status, "extracted_by": how, "predicted_sql": sql, "error": o.error,
                      "pred_ms": o.pred_ms})
     return rows
+
+
+def result_row(row: dict) -> dict:
+    """A results.jsonl row in the vocabulary of the tables and metrics (`status` an outcome name: correct,
+    wrong_result, error, ...; `predicted_sql`), whichever slmsql wrote it: before, `status` was the sandbox's
+    (ok for SQL that ran) and the SQL `pred_sql`."""
+    row = {("predicted_sql" if k == "pred_sql" else k): v for k, v in row.items()}
+    return {**row, "status": outcome_name(bool(row["correct"]), row["status"])}
 
 
 def ex_summary(results: list[dict], confidence: float = 0.95) -> dict:

@@ -66,7 +66,7 @@ def evaluation_table(examples, results: list[dict], preds: dict | None = None):
 
     by_id, preds = {e.id: e for e in examples}, preds or {}
     rows = [{"id": r["id"], "db_id": r["db_id"], "difficulty": r.get("difficulty"),
-             "question": by_id[r["id"]].question, "gold_sql": by_id[r["id"]].sql, "predicted_sql": r["pred_sql"],
+             "question": by_id[r["id"]].question, "gold_sql": by_id[r["id"]].sql, "predicted_sql": r["predicted_sql"],
              "completion": (preds.get(r["id"]) or {}).get("completion"),
              "status": outcome_name(r["correct"], r["status"]), "correct": bool(r["correct"]), "error": r["error"]}
             for r in results]
@@ -88,8 +88,8 @@ def disagreements_table(examples, results: list[dict], baseline: dict[str, dict]
             continue
         rows.append({"id": r["id"], "question": by_id[r["id"]].question,
                      "right": this_name if r["correct"] else baseline_name, "gold_sql": by_id[r["id"]].sql,
-                     "predicted_sql": r["pred_sql"], "status": outcome_name(r["correct"], r["status"]),
-                     "baseline_sql": b.get("pred_sql"), "baseline_status": outcome_name(b["correct"], b["status"])})
+                     "predicted_sql": r["predicted_sql"], "status": outcome_name(r["correct"], r["status"]),
+                     "baseline_sql": b.get("predicted_sql"), "baseline_status": outcome_name(b["correct"], b["status"])})
     columns = ["id", "question", "right", "gold_sql", "predicted_sql", "status", "baseline_sql", "baseline_status"]
     return pd.DataFrame(safe_text(rows), columns=columns)
 
@@ -124,6 +124,6 @@ def sql_report(examples, results: list[dict], baseline: dict[str, dict], this_na
             r["correct"] else ""
         lines += [f"### {r['id']}{f' — right: {right}' if right else ''}\n", f"{ex.question}\n",
                   "Gold:\n", _sql_block(ex.sql),
-                  f"{this_name} ({outcome_name(r['correct'], r['status'])}):\n", _sql_block(r["pred_sql"]),
-                  f"{baseline_name} ({outcome_name(b['correct'], b['status'])}):\n", _sql_block(b.get("pred_sql"))]
+                  f"{this_name} ({outcome_name(r['correct'], r['status'])}):\n", _sql_block(r["predicted_sql"]),
+                  f"{baseline_name} ({outcome_name(b['correct'], b['status'])}):\n", _sql_block(b.get("predicted_sql"))]
     return "\n".join(lines)

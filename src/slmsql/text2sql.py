@@ -21,10 +21,12 @@ still needs torch, transformers and peft at the pinned versions), and in a proce
 slmsql MLflow would swap the library's modules for the copy's mid-process.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -184,17 +186,21 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
         client.set_logged_model_tags(model.model_id, {"slmsql.fingerprint": fp})
     else:  # created here, not by Model.log, which would file it under the active run's (publish's) experiment
         model = client.create_logged_model(experiment, NAME, source_run_id=run_id, tags={"slmsql.fingerprint": fp})
-    artifacts = {"adapter": str(adapter)} | ({"base": str(base)} if base is not None else {})
+    # named relative to the folder they are in, entered while MLflow copies them: the model's MLmodel records each
+    # artifact's source as given (`uri`), which would otherwise be a temporary folder of this machine
+    here = Path(adapter).parent
+    artifacts = {"adapter": Path(adapter).name} | ({"base": os.path.relpath(base, here)} if base is not None else {})
     try:
         # mlflow.pyfunc.log_model, with the run to log to named (the GRPO run, not the active one). MLflow then
         # loads the saved model and answers the input example, as its scoring server would (a warning if not).
         # Into the policy's model: no run named, as it is an output of `run_id` already (MLflow would record
         # that twice, which its store refuses); the active run (publish) then records it as its output too.
-        info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=None if model is policy else run_id,
-                         model_id=model.model_id,
-                         python_model=Text2SQL(), artifacts=artifacts, model_config=model_config,
-                         signature=signature(), input_example=INPUT_EXAMPLE, pip_requirements=requirements(),
-                         metadata={"task": "text-to-sql", "slmsql_version": __version__})
+        with contextlib.chdir(here):
+            info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=None if model is policy else run_id,
+                             model_id=model.model_id,
+                             python_model=Text2SQL(), artifacts=artifacts, model_config=model_config,
+                             signature=signature(), input_example=INPUT_EXAMPLE, pip_requirements=requirements(),
+                             metadata={"task": "text-to-sql", "slmsql_version": __version__})
     except BaseException:
         if model is policy:  # the policy itself is fine (its files are its run's): as it was, for a retry
             client.delete_logged_model_tag(model.model_id, "slmsql.fingerprint")
@@ -205,4 +211,8 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
     finally:  # Model.log makes the model "active": the run's later metrics (publish's) would be filed under it
         mlflow.clear_active_model()
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    if model is policy:  # its page says it holds the servable model now
+        from .lineage import describe_model
+
+        describe_model(model.model_id)
     return info.model_uri, False

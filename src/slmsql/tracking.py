@@ -47,7 +47,8 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
     that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
-    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages.
+    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages
+    (with an outbox, through it: durable.system_metrics_sampler).
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
@@ -75,7 +76,10 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
-                              nested=nested, log_system_metrics=system_metrics) as run:
+                              nested=nested, log_system_metrics=system_metrics and outbox is None,
+                              tags=None if run_id else source_tags(f"slmsql {stage}")) as run:
+            if not run_id:
+                drop_local_remote(run)
             describe_experiment(run.info.experiment_id)
             tags = {**provenance_tag(getattr(cfg, "model", "")), **(tags or {})}
             tags = {k: v for k, v in tags.items() if v not in ("", None)}  # an empty option: no tag
@@ -89,13 +93,53 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             if outbox is None:
                 yield run
                 return
-            outbox.start(run.info.run_id)
+            outbox.start(run.info.run_id, system_metrics=system_metrics, resume=run_id is not None)
             try:
                 yield run
             except BaseException:
                 outbox.end_run("FAILED")
                 raise
             outbox.end_run("FINISHED")
+
+
+# --- where a run came from, without a folder of this machine ---------------------------------------------------
+def source_tags(name: str) -> dict:
+    """`mlflow.source.name` for a run slmsql starts: the command (`slmsql grpo`), or for a workflow's step the
+    project (`project_source`). MLflow's own is the script that started the process (sys.argv[0]: a path of this
+    machine) or the project's folder; tags given when the run starts win over MLflow's (fluent.start_run)."""
+    from mlflow.utils.mlflow_tags import MLFLOW_SOURCE_NAME
+
+    return {MLFLOW_SOURCE_NAME: name}
+
+
+def git_remote(folder) -> str | None:
+    """The git remote of the clone holding `folder` when it is a network URL (https://, ssh, git@host:...);
+    None when there is none or it is a folder (a clone of a local clone), which names nothing elsewhere."""
+    from mlflow.utils.git_utils import get_git_repo_url
+
+    url = get_git_repo_url(str(folder))
+    return None if not url or _local_url(url) else url
+
+
+def _local_url(url: str) -> bool:
+    return url.startswith("file:") or os.path.isabs(url) or ("://" not in url and ":" not in url)
+
+
+def project_source(folder) -> str:
+    """A workflow step's `mlflow.source.name`: the project's git remote (the UI links a GitHub one), else its
+    name as MLproject gives it."""
+    return git_remote(folder) or "slmsql"
+
+
+def drop_local_remote(run) -> None:
+    """MLflow tags a run started in a clone with its remote (`mlflow.source.git.repoURL`): removed when that is
+    a folder of this machine."""
+    import mlflow
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_REPO_URL
+
+    url = run.data.tags.get(MLFLOW_GIT_REPO_URL)
+    if url and _local_url(url):
+        mlflow.MlflowClient().delete_tag(run.info.run_id, MLFLOW_GIT_REPO_URL)
 
 
 def provenance_tag(model: str | list[str]) -> dict:
@@ -139,6 +183,33 @@ def portable(value) -> str:
     if text and os.path.isabs(text) and Path(text).is_relative_to(Path.cwd()):
         return str(Path(text).relative_to(Path.cwd()))
     return text
+
+
+def portable_config(cfg) -> dict:
+    """A stage's config as a file kept with its output (the adapter's slmsql_grpo_config.json, which publish
+    pushes to the Hub): every path `portable`, and without the fields that say only where and how it ran
+    (configs.RUN_ONLY: its output folder among them)."""
+    import dataclasses
+
+    from .configs import RUN_ONLY
+
+    def one(v):
+        return [one(x) for x in v] if isinstance(v, list) else portable(v) if isinstance(v, str) and v else v
+
+    return {k: one(v) for k, v in dataclasses.asdict(cfg).items() if k not in RUN_ONLY}
+
+
+def renamed(obj, names: dict):
+    """`obj` (JSON) with each local path in `names` replaced, wherever a string holds it, by its name there
+    (`{"/abs/out/filter": "runs:/<id>"}`): a report of local files as the run that keeps them names them."""
+    if isinstance(obj, dict):
+        return {k: renamed(v, names) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [renamed(v, names) for v in obj]
+    if isinstance(obj, str):
+        for local, name in sorted(names.items(), key=lambda kv: -len(kv[0])):  # the longest, most specific first
+            obj = obj.replace(local, name)
+    return obj
 
 
 def fetch(uri: str, root) -> str:
@@ -229,11 +300,16 @@ def log_json(obj, artifact_file: str) -> None:
         mlflow.log_artifact(str(p), str(Path(artifact_file).parent) if "/" in artifact_file else None)
 
 
-def numeric(metrics: dict) -> dict:
-    """Only the finite numbers: MLflow metrics refuse strings, and inf means 'not computable' here."""
+STAT_DIGITS = 6  # significant digits of an evaluation's statistics as metrics (`numeric`)
+
+
+def numeric(metrics: dict, digits: int | None = None) -> dict:
+    """Only the finite numbers: MLflow metrics refuse strings, and inf means 'not computable' here. `digits`:
+    rounded to that many significant digits (statistics: the run page prints a metric as JavaScript writes the
+    double, 0.29138894435599386 for a Wilson bound)."""
     import math
 
-    return {k: float(v) for k, v in metrics.items()
+    return {k: float(v) if digits is None else float(f"{v:.{digits}g}") for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
@@ -374,9 +450,12 @@ def describe(text: str, run_id: str | None = None) -> str:
 # a UI that ignores them shows its defaults, nothing breaks.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 VIEW_KEY = "slmsql"
-RESULT = "slmsql.result"  # an evaluation's result in one cell (wording.result); the pipeline's headline
-VIEW_COLUMNS = ("tags.`slmsql.stage`", f"tags.`{RESULT}`", "metrics.`band`",
-                "metrics.`summary/exec/frac_groups_correctness_varies`", "metrics.`summary/frac_reward_zero_std`")
+RESULT = "slmsql.result"  # a run's result in one cell (wording): an evaluation's, the pipeline's headline, the
+# filter's band, GRPO's learning signal, SFT's loss
+# Tags only: a metric column's cell in a group row is MLflow's aggregate of the group, "- (max)" where the group's
+# runs lack the metric (an eval set's group and the training runs' signal), and a tag cell there stays empty
+VIEW_COLUMNS = ("tags.`slmsql.stage`", f"tags.`{RESULT}`")
+RUN_NAME_COLUMN = "attributes.`Run Name`"  # the UI's id of its run-name column, which holds the group labels
 
 
 GROUP_BY = "slmsql.dataset"  # an evaluation's eval set; on a pipeline run, the eval sets of its headline
@@ -389,11 +468,13 @@ def runs_view() -> dict:
     """slmsql's runs-table view: runs grouped by eval set (tag `slmsql.dataset`: each SFT/GRPO pair side by side),
     in the order they started, so a pipeline's headline (its run starts first and carries the eval sets it
     sums up) is the first group and each pair reads baseline then GRPO; the runs without an eval set last, open.
-    Each run's result is a formatted tag, beside the training runs' signal metrics. No evaluation metric column:
-    a group row would average SFT and GRPO into a number that means nothing. (The UI does not take pinned runs
-    from a saved view, so order is the only way to put the headline first.)"""
-    return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS), "runsHiddenMode": "SHOW_ALL",
-            "columnWidths": {f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90},
+    Each run's result is a formatted tag (VIEW_COLUMNS: no metric column). The run-name column is wide enough for
+    a group's label (`Group: toy-dev_cross`). Charts draw each run (its name in the legend), not each group: the
+    UI names the group of runs without an eval set "Additional runs" in the table but "Unassigned" in charts.
+    (The UI does not take pinned runs from a saved view, so order is the only way to put the headline first.)"""
+    return {"selectedColumns": list(VIEW_COLUMNS), "columnOrder": [RUN_NAME_COLUMN, *VIEW_COLUMNS],
+            "runsHiddenMode": "SHOW_ALL", "useGroupedValuesInCharts": False,
+            "columnWidths": {RUN_NAME_COLUMN: 280, f"tags.`{RESULT}`": 420, "tags.`slmsql.stage`": 90},
             "orderByKey": "attributes.start_time", "orderByAsc": True, "groupsExpanded": {UNGROUPED: True},
             "groupBy": {"aggregateFunction": "max", "groupByKeys": [{"mode": "tag", "groupByData": GROUP_BY}]}}
 

@@ -13,12 +13,14 @@ A trainer arg that names an slmsql option (use the option: one value, one place)
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 from . import distributed
 from .configs import to_params
 from .errors import SlmsqlError
 
+log = logging.getLogger(__name__)
 OWNED = {"output_dir": "the stage's staging folder", "run_name": "the MLflow run name (--run-name)",
          "report_to": "slmsql's own MLflow callback (report_to=mlflow would log ~224 params)",
          "logging_dir": "the staging folder"}
@@ -61,6 +63,10 @@ def trl_config(trl_cls, cfg, work: Path, **stage_settings):
     return args
 
 
+# the TRL releases whose `trl.trainer.utils._use_triton` compact_fused_head was read and measured against
+COMPACT_HEAD_TRL = ("1.16.0",)
+
+
 def compact_fused_head() -> None:
     """Make TRL's fused LM head project only the positions that carry a label on a CPU too.
 
@@ -70,11 +76,19 @@ def compact_fused_head() -> None:
     CPU in eager mode that only multiplies the work: the toy SFT's completions are 21 of ~167 tokens, and the head
     was ~55% of a step (bench/README.md, lifecycle.py). The values are the same either way (unlabelled positions
     are zero). TRL 1.16 decides it with `trl.trainer.utils._use_triton` alone (its kernels' own choice of Triton
-    or torch lives in `trl.kernels.chunked_logprob` and is left alone); a TRL without that name is left as it is."""
+    or torch lives in `trl.kernels.chunked_logprob` and is left alone). That name is TRL's private one: only in
+    the releases it was checked on (COMPACT_HEAD_TRL) is it replaced; any other TRL is left as it is, with a
+    warning that the speed-up is off (another release may use the name for something else, or decide elsewhere)."""
+    import trl
     from trl.trainer import utils as trl_utils
 
     decide = getattr(trl_utils, "_use_triton", None)
-    if decide is None or getattr(decide, "slmsql_compact", False):
+    if getattr(decide, "slmsql_compact", False):
+        return
+    if trl.__version__ not in COMPACT_HEAD_TRL or decide is None:
+        log.warning("TRL %s is not a release slmsql's compact fused LM head was checked on (%s): left as TRL has it, "
+                    "so on a CPU its head projects every position (slower, same values)", trl.__version__,
+                    ", ".join(COMPACT_HEAD_TRL))
         return
 
     def compact(device) -> bool:
@@ -210,12 +224,22 @@ def summary_metrics(log_history: list[dict]) -> dict:
 
 def save_policy(model, tokenizer, folder: Path) -> None:
     """The trained policy and its tokenizer, without the README.md PEFT writes into an adapter folder: that
-    boilerplate ("More Information Needed") would pass for a model card; publish writes the real one."""
+    boilerplate ("More Information Needed") would pass for a model card; publish writes the real one. An
+    adapter's base as every machine names it (`tracking.portable`: a fetched run artifact as its run URI), not
+    the folder it was loaded from here."""
+    import json
+
+    from .data import write_json
+    from .tracking import portable
+
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     readme = Path(folder) / "README.md"
     if readme.is_file() and "More Information Needed" in readme.read_text(encoding="utf-8", errors="replace"):
         readme.unlink()
+    config = Path(folder) / "adapter_config.json"
+    if config.is_file() and (base := json.loads(config.read_text()).get("base_model_name_or_path")):
+        write_json(config, {**json.loads(config.read_text()), "base_model_name_or_path": portable(base)})
 
 
 def last_checkpoint(work: Path):

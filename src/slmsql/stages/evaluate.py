@@ -16,7 +16,7 @@ from ..data import check_databases, read_gold, read_jsonl, read_predictions, wri
 from ..errors import DataError, SlmsqlError
 from ..figures import ex_figure
 from ..outputs import Staged
-from ..scoring import ex_summary
+from ..scoring import ex_summary, result_row
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
                               "paired comparison needs the same dataset and match mode")
     with tempfile.TemporaryDirectory() as d:
         rows = read_jsonl(tracking.download(run_id, "results.jsonl", d))
-    by_id = {str(r["id"]): r for r in rows}
+    by_id = {str(r["id"]): result_row(r) for r in rows}  # a run of an older slmsql: read in today's names
     if sorted(by_id) != sorted(gold_ids):
         raise SlmsqlError(f"baseline run {run_id} scored a different set of questions "
                           f"({len(by_id)} vs {len(gold_ids)} ids)")
@@ -61,14 +61,14 @@ def main(cfg: EvaluateConfig) -> dict:
         tracking.configure()
         baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
     from .. import engines, promptcheck
-    from ..models import load_tokenizer
+    from ..models import load_tokenizer, policy_folder
 
     work = engines.Work("evaluate", cfg)
     engines.check_settings(work, generating=not cfg.predictions)
     prompt, token_metrics = {}, {}
     if not cfg.predictions:  # the policy's prompt settings and the prompts' token budget, before the model loads
         prompt, token_metrics = promptcheck.preflight(
-            cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+            cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
             new_tokens=cfg.max_new_tokens)
     policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
@@ -102,11 +102,13 @@ def main(cfg: EvaluateConfig) -> dict:
         write_jsonl(work_dir / "results.jsonl", results)
         write_json(work_dir / "metrics.json", metrics)
         # EX is a metric of the evaluated policy's LoggedModel on this eval set (the experiment's Models tab)
-        numeric = tracking.numeric(metrics)
+        numeric = tracking.numeric(metrics, digits=tracking.STAT_DIGITS)
         model_id = None if cfg.predictions else lineage.policy_model(run.info.experiment_id, cfg.model, cfg.adapter)
         lineage.log_model_input(run.info.run_id, model_id)
         mlflow.log_metrics({k: v for k, v in numeric.items() if k in lineage.MODEL_METRICS}, model_id=model_id,
                            dataset=data)
+        if model_id:  # its description states its EX per eval set
+            lineage.describe_model(model_id)
         mlflow.log_metrics({k: v for k, v in numeric.items() if k not in lineage.MODEL_METRICS})
         names = (run.info.run_name, baseline_run.info.run_name if baseline_run else "")
         result = wording.result(comparison) if comparison else wording.ex_result(metrics)

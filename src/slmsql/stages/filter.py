@@ -21,28 +21,26 @@ from ..figures import histogram_figure
 from ..passrates import CHUNK, bucket_summary, load_finished
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "k", "temperature", "top_p", "top_k", "min_p",
-               "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values", "tables_json", "match",
-               "timeout_s")
+RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "backend", "dtype", "k", "temperature", "top_p",
+               "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values",
+               "tables_json", "match", "timeout_s")
 
 
 def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking
-    from ..models import check_adapter_base, load_tokenizer
+    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking, wording
+    from ..models import load_tokenizer, policy_folder
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
         raise DataError(f"need k >= 1 and 0 <= low < high <= 1, got k={cfg.k} low={cfg.low} high={cfg.high}")
     examples = read_gold(cfg.data)[:cfg.limit or None]
-    if cfg.adapter:
-        check_adapter_base(cfg.adapter, cfg.model)
     work = engines.Work("filter", cfg)
     engines.check_settings(work, generating=True)
     prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.adapter),
+        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
         new_tokens=cfg.max_new_tokens)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
@@ -92,9 +90,12 @@ def main(cfg: FilterConfig) -> dict:
             tracking.log_dataset(band, "rl", out / "band.jsonl", context="output",
                                  uri=f"runs:/{run.info.run_id}/band.jsonl")
         tracking.describe(descriptions.filter_note(summary))
+        mlflow.set_tag(tracking.RESULT, wording.band_result(summary))
         report = datachecks.run_rl_check(work_dir / "band.jsonl", cfg.db_root, work_dir / "summary.json", cfg.low,
                                          cfg.high)
-        tracking.log_json(report.to_json(), "data_check/rl.json")
+        # the files it checked as this run and the database run name them (runs:/...), not as folders of this machine
+        names = {str(work_dir): f"runs:/{run.info.run_id}", str(cfg.db_root): tracking.portable(cfg.db_root)}
+        tracking.log_json(tracking.renamed(report.to_json(), names), "data_check/rl.json")
         mlflow.log_metric("data_check_success", float(report.success))
         if not report.success:
             raise SlmsqlError("the rl data check failed on the filter's own output:\n" + report.to_markdown())

@@ -47,8 +47,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     from trl import GRPOConfig
 
     from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards, tables,
-                    tracking, training)
-    from ..models import check_adapter_base, load_model, load_tokenizer, record_stack
+                    tracking, training, wording)
+    from ..models import check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
 
@@ -61,7 +61,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     if cfg.base_adapter:
         check_adapter_base(cfg.base_adapter, cfg.model)
     prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=promptcheck.policy_folder(cfg.model, cfg.base_adapter),
+        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.base_adapter),
         new_tokens=cfg.max_completion_length)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it
@@ -89,13 +89,15 @@ def main(cfg: GRPOStageConfig) -> dict:
         builder = builder_for(cfg)
         rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
                  "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
-        if main:  # the adapter's LoggedModel (a resumed run keeps its own), finalized with the run
-            outbox.track_model(lineage.start_policy_model(run.info.run_id, cfg.run_name or "grpo", "adapter"))
+        continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
+        peft = cfg.use_lora or continue_adapter  # else a full model (no LoRA, or stacked on a merged adapter)
+        if main:  # the policy's LoggedModel (a resumed run keeps its own), finalized with the run
+            model_id = lineage.start_policy_model(run.info.run_id, cfg.run_name or "grpo", "adapter", adapter=peft)
+            outbox.track_model(model_id)
             tracking.log_dataset([e.to_json() for e in examples], "rl", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
-        continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
         if cfg.base_adapter and not continue_adapter:
             model, tokenizer = load_model(cfg.model, cfg.base_adapter, merge_adapter=True, dtype=cfg.dtype)
             model.requires_grad_(True)
@@ -134,13 +136,16 @@ def main(cfg: GRPOStageConfig) -> dict:
             if cfg.base_adapter and (continue_adapter or peft_config is not None):
                 # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
                 record_stack(final, cfg.base_adapter, merged=not continue_adapter)
-            write_json(final / "slmsql_grpo_config.json", dataclasses.asdict(cfg))
+            write_json(final / "slmsql_grpo_config.json", tracking.portable_config(cfg))
             promptcheck.record(final, prompt)
             outbox.log_metrics(summary)
             outbox.set_tag(tracking.NOTE, descriptions.grpo_note(summary))
+            outbox.set_tag(tracking.RESULT, wording.signal_result(summary))
             if (curves := figures.training_curves(trainer.state.log_history)) is not None:
                 outbox.log_figure(curves, "training_curves.png")
             outbox.log_artifacts(final, "adapter")
+            if peft:  # a few megabytes: the model's own files too (a full model stays the run's artifact)
+                outbox.log_model_artifact(model_id, final)
             write_json(work / "summary.json", summary)
             outbox.log_artifact(work / "summary.json")
     log.info("GRPO done: %s", json.dumps(summary))

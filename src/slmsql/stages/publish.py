@@ -232,7 +232,7 @@ def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, nam
                     "--base-repo to name it; the model then holds its weights)", model)
         return result
     model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
-                    "greedy": True, "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
+                    "decoding": "greedy", "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
     commits = {"adapter": result.get("hub_commit"), "base": result.get("base_hub_commit")}  # None: not pushed
     with tempfile.TemporaryDirectory() as tmp:
         adapter = Path(tmp) / "adapter"  # exactly the written adapter folder (its card included)
@@ -288,7 +288,7 @@ def main(cfg: PublishConfig) -> dict:
         if base_card is not None:
             mlflow.log_artifact(str(out / "base" / "README.md"), "base_card")
         result.update(ship(cfg, token, out, runs, name))
-        tracking.log_json(result, "publish.json")
+        tracking.log_json({k: v for k, v in result.items() if k != "output_dir"}, "publish.json")  # the param
         tracking.describe(descriptions.publish_note(cfg, result))
     log.info("publish: %s", json.dumps(result))
     return result

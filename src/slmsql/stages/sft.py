@@ -32,8 +32,8 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, durable, lineage, promptcheck, tokens, tracking, training
-    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, record_stack
+    from .. import descriptions, distributed, durable, lineage, promptcheck, tokens, tracking, training, wording
+    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
 
     # args: every check before any model loads, the token budget and the prompt settings included
     examples = read_gold(cfg.data)
@@ -43,7 +43,7 @@ def main(cfg: SFTStageConfig) -> dict:
         check_adapter_base(cfg.base_adapter, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     prompt = promptcheck.settings(cfg, tokenizer)
-    promptcheck.check_trained_with(promptcheck.policy_folder(cfg.model, cfg.base_adapter), prompt,
+    promptcheck.check_trained_with(policy_folder(cfg.model, cfg.base_adapter), prompt,
                                    cfg.allow_prompt_change)
     rows = conversations(cfg, examples)
     keep, token_metrics = tokens.check_sft(tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
@@ -64,8 +64,10 @@ def main(cfg: SFTStageConfig) -> dict:
         # data
         train = Dataset.from_list([rows[j] for j in keep])
         main = distributed.is_main()
+        peft = bool(cfg.use_lora or cfg.base_adapter)  # else a full fine-tune
         if main:  # the policy's LoggedModel, finalized with the run (its files: the run's `policy` artifact)
-            outbox.track_model(lineage.start_policy_model(run.info.run_id, cfg.run_name or "sft", "policy"))
+            model_id = lineage.start_policy_model(run.info.run_id, cfg.run_name or "sft", "policy", adapter=peft)
+            outbox.track_model(model_id)
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
         # model
@@ -84,7 +86,7 @@ def main(cfg: SFTStageConfig) -> dict:
         work = st.work
         summary = {"train_loss": result.training_loss, "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step, "examples": len(keep),
-                   "kind": "adapter" if (peft_config or cfg.base_adapter) else "full"}
+                   "kind": "adapter" if peft else "full"}
         # save: an adapter when LoRA, else the full model; the tokenizer beside it either way. By the main
         # process only: every process holds the same weights after the last synchronised step.
         if main:
@@ -99,11 +101,14 @@ def main(cfg: SFTStageConfig) -> dict:
             outbox.log_metrics(tracking.numeric(summary))
             outbox.set_tag("slmsql.policy_kind", summary["kind"])
             outbox.set_tag(tracking.NOTE, descriptions.sft_note(summary, cfg.model))
+            outbox.set_tag(tracking.RESULT, wording.sft_result(summary))
             for f in work.iterdir():  # the policy, so later stages can load it by run URI; not the checkpoints
                 if f.is_file():
                     outbox.log_artifact(f, "policy")
                 elif f.name == STACK_BASE:
                     outbox.log_artifacts(f, f"policy/{STACK_BASE}")
+                if peft and (f.is_file() or f.name == STACK_BASE):  # an adapter: the model's own files too
+                    outbox.log_model_artifact(model_id, f, "policy")
     log.info("SFT done: %d steps in %.0f s, loss %.3f -> %s", summary["steps"], summary["train_seconds"],
              summary["train_loss"], cfg.output_dir)
     return summary

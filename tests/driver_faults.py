@@ -1,0 +1,35 @@
+"""Test helper: `python tests/driver_faults.py N <stage> <args>` runs the slmsql CLI in this process and SIGKILLs
+it (no cleanup at all, as `kill -9` from outside) right after the stage has written its N-th row: a driver
+killed mid-run at a point the test chooses, however fast or slow the machine, with no race between the test
+and the run. It lives here, not in the library (as sandbox_faults.py's faulty runner does)."""
+
+import os
+import signal
+import sys
+
+from slmsql import engines
+from slmsql.cli import main
+
+
+def die_after(n: int) -> None:
+    run = engines.run
+
+    def run_then_die(work, examples, on_rows, **kwargs):
+        written = 0
+
+        def rows_then_die(items):
+            nonlocal written
+            on_rows(items)  # the stage writes (and fsyncs) them
+            written += len(items)
+            if written >= n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return run(work, examples, rows_then_die, **kwargs)
+
+    engines.run = run_then_die  # the stages call engines.run at run time
+
+
+if __name__ == "__main__":
+    die_after(int(sys.argv[1]))
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    main()
