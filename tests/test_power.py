@@ -56,16 +56,18 @@ def pilot(seed_sd):
     return Components(c["var_question"], c["var_within"], c["var_seed"]), true_effect(1.5, 0.5, seed_sd)
 
 
-@pytest.mark.parametrize("seed_sd,seeds,family", [(0.0, 3, 1), (0.0, 5, 6), (0.15, 5, 1)])
-def test_planned_designs_have_their_power_in_simulated_studies(seed_sd, seeds, family):
-    """The design the plan sizes for 90% power rejects in 90% of simulated binary studies, within 0.05 (3 Monte
-    Carlo se of 600 studies is 0.037; the rest is the normal-theory model's error, observed up to 0.04)."""
+@pytest.mark.parametrize("seed_sd,seeds,family,tol", [(0.0, 3, 6, 0.037), (0.0, 5, 1, 0.037), (0.15, 5, 1, 0.05)])
+def test_planned_designs_have_their_power_in_simulated_studies(seed_sd, seeds, family, tol):
+    """The design the plan sizes for 90% power rejects in 90% of simulated binary studies: within 3 Monte Carlo
+    se of 600 studies (0.037) with no seed variance; with a 2.6-point between-seed sd, within 0.05 (observed
+    0.88: the normal-theory model of the seed part is a little optimistic). A noncentral t at the expected mean
+    squares' df predicts 0.90 where 0.84 is simulated (3 seeds, family 6)."""
     comp, effect = pilot(seed_sd)
     n = questions_needed(effect, comp, seeds, family, over_seeds=True)
     reps, level = 600, 0.05 / family
     runs, base = simulate(reps, seeds, n, seed_sd, gain=0.5, rng_seed=12)
     hits = np.mean([over_seeds(runs[i], base[i], alpha=level)["p"] < level for i in range(reps)])
-    assert hits == pytest.approx(0.9, abs=0.05)
+    assert hits == pytest.approx(0.9, abs=tol)
     if seed_sd == 0:  # and the pooled test's predicted power too (seeds add nothing to it here)
         pooled = np.mean([compare_seeds(list(runs[i]), base[i], alpha=level)["p"] < level for i in range(reps)])
         assert pooled == pytest.approx(power(effect, comp, seeds, n, family), abs=0.04)
