@@ -84,3 +84,16 @@ def over_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: 
     return {**c, "diff": test["mean"], "diff_ci_low": test["ci_low"], "diff_ci_high": test["ci_high"],
             "t": test["t"], "df": test["df"], "p": test["p"], "significant": test["significant"],
             "seed_part": c["var_seed"] > 0, "method": METHOD}
+
+
+def summary(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: float = 0.05) -> dict:
+    """A sweep row's method columns (`seed_*`, None with one seed) and the variance components a plan
+    (`slmsql plan`) sizes a study from. One seed cannot split the per-question variance: all of it is then
+    question variance (var_within 0, the reading under which more seeds would not help) and var_seed is None."""
+    if len(runs) < 2:
+        d = np.asarray(runs[0], dtype=float) - np.asarray(baseline, dtype=float)
+        return {"seed_diff_ci_low": None, "seed_diff_ci_high": None, "seed_df": None, "seed_p": None,
+                "var_seed": None, "var_question": float(d.var(ddof=1)) if d.size > 1 else 0.0, "var_within": 0.0}
+    r = over_seeds(runs, baseline, alpha)
+    return {"seed_diff_ci_low": r["diff_ci_low"], "seed_diff_ci_high": r["diff_ci_high"], "seed_df": r["df"],
+            "seed_p": r["p"], **{k: r[k] for k in ("var_seed", "var_question", "var_within")}}
