@@ -1,6 +1,9 @@
 """Sizing by power (slmsql.power): textbook t-test values, McNemar's exact power, and simulated studies."""
 
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -96,3 +99,60 @@ def test_bad_input_raises(call):
     with pytest.raises(ValueError) as e:
         call()
     assert isinstance(e.value, SlmsqlError)
+
+
+def pilot_report(tmp_path):
+    """A 3-seed pilot sweep's report on an 86-question band, as `slmsql sweep` writes it."""
+    from slmsql.configs import Variant
+    from slmsql.stages import sweep
+
+    rng = np.random.default_rng(1)
+    ids = [f"q{i}" for i in range(86)]
+    base = rng.random(86) < 0.75
+    runs = [np.where(rng.random(86) < 0.35, True, base) for _ in range(3)]
+    plan = sweep.Plan([Variant("defaults", {})], {}, None, [sweep.EvalSet("band", "", "")], [0, 1, 2])
+    correct = {"b": dict(zip(ids, map(bool, base))), **{f"e{s}": dict(zip(ids, map(bool, r)))
+                                                        for s, r in enumerate(runs)}}
+    cells = [{"variant": "defaults", "seed": s, "grpo_run": "g", "eval_runs": {"band": f"e{s}"},
+              "baseline_runs": {"band": "b"}, "reused": False} for s in range(3)]
+    rep = sweep.report(plan, cells, correct, 0.05)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(rep))
+    return path, rep["rows"][0]
+
+
+def slmsql(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_plans_from_a_pilot_sweep(tmp_path):
+    """`slmsql plan --pilot sweep.json`: the pilot's seeds and n, the given family; its pooled MDD is the
+    one-sample t-test's (statsmodels' solve_power at alpha / 6, scaled by the pilot's per-question sd)."""
+    path, row = pilot_report(tmp_path)
+    proc = slmsql("--pilot", str(path), "--family", "6", "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [p] = json.loads((tmp_path / "out" / "plan.json").read_text())["plans"]
+    assert (p["seeds"], p["n"], p["family"], p["effect"]) == (3, 86, 6, row["diff"])
+    sd = math.sqrt(row["var_question"] + row["var_within"] / 3)
+    assert p["mdd_pooled"] == pytest.approx(TTestPower().solve_power(None, 86, 0.05 / 6, 0.9) * sd, rel=1e-4)
+    assert p["mdd_method"] > p["mdd_pooled"]
+    assert [s["n_pooled"] for s in p["sizes"]] == sorted((s["n_pooled"] for s in p["sizes"]), reverse=True)
+    assert "defaults / band" in proc.stdout and "minimum detectable difference" in proc.stdout
+
+
+@pytest.mark.parametrize("edit,args,match", [
+    (None, ["--pilot", "nowhere.json"], "nowhere.json"),
+    (lambda r: r["rows"][0].pop("var_question"), [], "var_question"),
+    (None, ["--pilot", ""], "--discordance"),
+])
+def test_cli_bad_pilot_exits_before_any_output(tmp_path, edit, args, match):
+    path, _ = pilot_report(tmp_path)
+    if edit:
+        rep = json.loads(path.read_text())
+        edit(rep)
+        path.write_text(json.dumps(rep))
+    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and match in proc.stderr
+    assert "field" in proc.stderr or "pilot" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -138,3 +138,25 @@ def questions_needed(effect: float, c: Components, seeds: int, family: int = 1, 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi
+
+
+def plan(c: Components, effect: float, n: int, seeds: int, family: int, alpha: float = 0.05, target: float = 0.9,
+         max_seeds: int = 8, max_n: int = 2000) -> dict:
+    """One comparison's plan: the design's power at `effect` and its MDD, for the seeds trained (pooled) and for
+    the method (seeds random; None without a between-seed variance or with 1 seed), and for 1..max_seeds seeds
+    the questions needed for `target` power at `effect` (None: more than max_n)."""
+    def both(fn, s):
+        method = fn(True) if c.var_seed is not None and s >= 2 else None
+        return fn(False), method
+
+    p_pooled, p_method = both(lambda o: power(effect, c, seeds, n, family, alpha, o), seeds)
+    m_pooled, m_method = both(lambda o: mdd(c, seeds, n, family, alpha, target, o), seeds)
+    sizes = []
+    for s in range(1, max_seeds + 1):
+        pooled, method = both(lambda o: questions_needed(effect, c, s, family, alpha, target, o, max_n), s)
+        sizes.append({"seeds": s, "n_pooled": pooled, "n_method": method})
+    return {"effect": effect, "seeds": seeds, "n": n, "family": family, "alpha": alpha, "target": target,
+            "max_n": max_n,
+            "power_pooled": p_pooled, "power_method": p_method, "mdd_pooled": m_pooled, "mdd_method": m_method,
+            "components": {"var_question": c.var_question, "var_within": c.var_within, "var_seed": c.var_seed},
+            "sizes": sizes}
