@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from scipy.stats import binom
 from statsmodels.stats.power import TTestPower
 from test_seeds import simulate, true_effect
+from test_stats import exact_mcnemar_power
 
 from slmsql.errors import SlmsqlError
 from slmsql.power import Components, mdd, power, questions_needed
@@ -30,16 +30,6 @@ def test_pooled_power_is_the_textbook_t_test():
         assert power(0.05, c, 3, n, family) == pytest.approx(ref, rel=1e-9)
     assert mdd(c, 3, 200, 4, target=0.9) == pytest.approx(
         TTestPower().solve_power(None, 200, 0.05 / 4, 0.9) * math.sqrt(0.15), rel=1e-5)
-
-
-def exact_mcnemar_power(n, psi, delta, alpha=0.05):
-    """Power of McNemar's exact test by summing over the discordant counts (independent of the t model)."""
-    total = 0.0
-    for m in range(1, n + 1):
-        ks = np.arange(m + 1)
-        p = np.minimum(1.0, 2 * binom.cdf(np.minimum(ks, m - ks), m, 0.5))
-        total += binom.pmf(m, n, psi) * binom.pmf(ks[p <= alpha], m, (psi + delta) / (2 * psi)).sum()
-    return total
 
 
 @pytest.mark.parametrize("psi,delta", [(0.2, 0.1), (0.3, 0.08)])
