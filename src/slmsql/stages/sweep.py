@@ -11,8 +11,10 @@ Every cell logs the same metric names (grpo's, evaluate's `ex` and `vs_baseline/
 `slmsql.variant` and `slmsql.seed`, so MLflow's compare view lines them up. The report pools each variant's
 seeds per eval set (`stats.compare_seeds`: mean EX, between-seed sd / min / max, a paired t-test per question
 with its interval), adjusts the p-values by Holm over every variant x eval set (the whole table is one family:
-a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. The interval and the
-unadjusted p are per comparison and agree with each other; the Holm p is what can make a verdict "no
+a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. That verdict is about the
+seeds trained; each comparison is also made with the seeds as a random unit (`seeds.summary`: a verdict for the
+method, with its own Holm over the same family), shown beside it where there are 2 seeds or more. The interval
+and the unadjusted p are per comparison and agree with each other; the Holm p is what can make a verdict "no
 significant difference" where that interval excludes 0 (significant alone, not after trying every variant).
 """
 
@@ -320,9 +322,9 @@ def _method_table(rep: dict, name: str, pts, pv) -> list[str]:
     for r in rows:
         df = "inf" if r["seed_df"] is None else f"{r['seed_df']:.1f}"
         differs = f" (pooled: {r['verdict']})" if r["seed_verdict"] != r["verdict"] else ""
-        out.append(f"| {r['variant']} | {100 * r['var_seed'] ** 0.5:.1f} | {pts(r['diff'])} [{pts(r['seed_diff_ci_low'])}"
-                   f", {pts(r['seed_diff_ci_high'])}] | {df} | {pv(r['seed_p'])} | {pv(r['seed_p_holm'])} | "
-                   f"{r['seed_verdict']}{differs} |")
+        ci = f"[{pts(r['seed_diff_ci_low'])}, {pts(r['seed_diff_ci_high'])}]"
+        out.append(f"| {r['variant']} | {100 * r['var_seed'] ** 0.5:.1f} | {pts(r['diff'])} {ci} | {df} | "
+                   f"{pv(r['seed_p'])} | {pv(r['seed_p_holm'])} | {r['seed_verdict']}{differs} |")
     return out + [""]
 
 
