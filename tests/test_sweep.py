@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 from scipy import stats as scipy_stats
 
-from slmsql import configs, stats
+from slmsql import configs, seedstats, stats
 from slmsql.cli import main as cli
 from slmsql.configs import SweepConfig, Variant
 from slmsql.errors import DataError
@@ -215,6 +216,43 @@ def test_report_of_one_seed_has_no_sd():
     [row] = sweep.report(plan, cells, correct, 0.05)["rows"]
     assert row["t"] is None and row["p"] == 0 and row["verdict"] == "improved"
     json.dumps(rep, allow_nan=False)
+
+
+def test_report_shows_the_method_verdict_where_it_differs_from_the_seeds():
+    """Three seeds that moved by +24, +2 and +12 points on 200 questions: together they beat the start (pooled
+    test, questions random: a verdict for these seeds), but a method whose seeds spread that much is not shown
+    to help (seeds random too, seedstats.over_seeds; df ~2). The row carries both, and the table says where they
+    differ; the method's p gets its own Holm over the same comparisons."""
+    n, ids = 200, [f"q{i}" for i in range(200)]
+    base = np.zeros(n, dtype=bool)
+    base[:100] = True
+    runs = []
+    for gain in (48, 4, 24):  # questions turned right (of the 100 the start gets wrong): +24, +2, +12 points
+        run = base.copy()
+        run[100:100 + gain] = True
+        runs.append(run)
+    plan = sweep.Plan([Variant("defaults", {})], {}, None, [sweep.EvalSet("dev", "", "")], [0, 1, 2])
+    correct = {"b": dict(zip(ids, map(bool, base))), **{f"e{s}": dict(zip(ids, map(bool, r))) for s, r in
+                                                          enumerate(runs)}}
+    cells = [{"variant": "defaults", "seed": s, "grpo_run": f"g{s}", "eval_runs": {"dev": f"e{s}"},
+              "baseline_runs": {"dev": "b"}, "reused": False} for s in range(3)]
+    rep = sweep.report(plan, cells, correct, 0.05)
+    [row] = rep["rows"]
+    ref = seedstats.over_seeds(runs, base)
+    assert (row["seed_diff_ci_low"], row["seed_diff_ci_high"], row["seed_p"], row["seed_df"]) == pytest.approx(
+        (ref["diff_ci_low"], ref["diff_ci_high"], ref["p"], ref["df"]))
+    assert row["var_seed"] == pytest.approx(np.var([0.24, 0.02, 0.12], ddof=1) - row["var_within"] / n)
+    assert row["verdict"] == "improved" and row["p"] < 0.001
+    assert row["seed_verdict"] == "no significant difference" and row["seed_diff_ci_low"] < 0 < row["seed_p"] - 0.05
+    assert row["seed_p_holm"] == row["seed_p"]  # a family of one
+    md = sweep.markdown(rep)
+    assert "Over seeds" in md and "| no significant difference (pooled: improved) |" in md
+    json.dumps(rep, allow_nan=False)
+    one = sweep.report(dataclasses.replace(plan, seeds=[0]), cells[:1], correct, 0.05)
+    [row] = one["rows"]  # one seed: no method inference, and no table for it
+    assert row["seed_p"] is row["seed_verdict"] is row["var_seed"] is None and row["var_within"] == 0
+    assert row["var_question"] == pytest.approx(np.var((runs[0].astype(float) - base), ddof=1))
+    assert "Over seeds" not in sweep.markdown(one)
 
 
 def test_start_axis_trains_every_variant_from_each_start_on_its_own_data(tmp_path):

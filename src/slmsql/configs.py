@@ -388,9 +388,42 @@ class SweepConfig(Common):
             raise DataError(f"must be at least 1, got {self.seeds}", "command line", field="seeds")
 
 
+@dataclass
+class PlanConfig(Common):
+    """Size a study by power from a pilot: the minimum detectable difference of a design (seeds x questions,
+    Holm family) and the questions each number of seeds needs for the target power at the pilot's effect."""
+
+    pilot: str = opt("", "A pilot sweep's report (report/sweep.json, or runs:/<sweep run>/report/sweep.json): "
+                     "every comparison's effect and variance components. Empty: give --discordance.")
+    eval_sets: list[str] = opt([], "Plan only the pilot's comparisons on these eval sets (default: all).")
+    effect: float = opt(0.0, "The EX difference to power the study for (default: each comparison's pilot "
+                        "difference).")
+    discordance: float = opt(0.0, "Without --pilot: the share of questions where a one-seed pilot and its start "
+                             "disagree (with --effect, the pilot's difference).")
+    seed_sd: float = opt(-1.0, "Between-seed sd of the EX difference (a fraction), when the pilot cannot "
+                         "give it (one seed; default -1: unknown, no plan over seeds).")
+    seeds: int = opt(0, "Seeds of the design whose MDD is reported (default: the pilot's).")
+    n: int = opt(0, "Questions of that design (default: each comparison's n).")
+    family: int = opt(0, "Holm family size of the planned study (default: the pilot's comparisons).")
+    alpha: float = opt(0.05, "Family-wise significance level.")
+    power: float = opt(0.9, "Target power.")
+    max_seeds: int = opt(8, "The largest number of seeds the sizing table tries.")
+    max_n: int = opt(2000, "The most questions the sizing table allows (the band or eval set you can have).")
+    output_dir: str = opt("outputs/plan", "Folder for plan.json and plan.md.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.alpha < 1 or not 0 < self.power < 1:
+            raise DataError(f"alpha and power must lie strictly between 0 and 1, got {self.alpha}, {self.power}",
+                            "command line", field="alpha" if not 0 < self.alpha < 1 else "power")
+        for name in ("seeds", "n", "family", "max_seeds", "max_n"):
+            if getattr(self, name) < 0:
+                raise DataError(f"must be >= 0, got {getattr(self, name)}", "command line", field=name)
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
-          "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig}
+          "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig, "plan": PlanConfig}
 
 
 def fields(cls):

@@ -133,27 +133,27 @@ def exact_paired(only_a: int, only_b: int, n: int, alpha: float = 0.05) -> dict:
 
 
 def paired_t(d: Sequence[float], alpha: float = 0.05) -> dict:
-    """One-sample t-test of mean(d) = 0 and the t interval of mean(d): one computation, so they agree.
-
-    The interval mean +- t_{1-alpha/2, n-1} se excludes 0 exactly when |t| > t_{1-alpha/2, n-1}, i.e. p < alpha.
-    When every d_i is equal (se = 0) the interval is that value and p is 1 (all zero) or 0.
-    """
-    _check_alpha(alpha)
+    """One-sample t-test of mean(d) = 0 and the t interval of mean(d): one computation, so they agree."""
     d = np.asarray(d, dtype=float)
     if d.ndim != 1 or d.size < 2:
         raise StatsError(f"a t-test needs at least 2 questions, got {d.size}")
-    n, mean = d.size, float(d.mean())
-    se = float(d.std(ddof=1)) / math.sqrt(n)
+    return t_inference(float(d.mean()), float(d.std(ddof=1)) / math.sqrt(d.size), d.size - 1, alpha)
+
+
+def t_inference(mean: float, se: float, df: float, alpha: float = 0.05) -> dict:
+    """Test of mean = 0 and the interval mean +- t_{1-alpha/2, df} se, which excludes 0 exactly when
+    |t| > t_{1-alpha/2, df}, i.e. p < alpha. When se = 0 the interval is the mean and p is 1 (mean 0) or 0."""
+    _check_alpha(alpha)
     if se == 0:
         t_stat, p, lo, hi = (0.0 if mean == 0 else math.copysign(math.inf, mean)), float(mean == 0), mean, mean
     else:
         t_stat = mean / se
-        p = float(2 * student_t.sf(abs(t_stat), n - 1))
-        half = float(student_t.ppf(1 - alpha / 2, n - 1)) * se
+        p = float(2 * student_t.sf(abs(t_stat), df))
+        half = float(student_t.ppf(1 - alpha / 2, df)) * se
         lo, hi = mean - half, mean + half
     significant = p < alpha
     lo, hi = _agree(lo, hi, significant)
-    return {"mean": mean, "ci_low": lo, "ci_high": hi, "t": t_stat, "df": n - 1, "p": p, "significant": significant}
+    return {"mean": mean, "ci_low": lo, "ci_high": hi, "t": t_stat, "df": df, "p": p, "significant": significant}
 
 
 def min_detectable_difference(n: int, p_base: float, discordance: float | None = None,

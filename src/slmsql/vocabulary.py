@@ -119,6 +119,7 @@ VOCABULARY = [
     ("variants", ("sweep",), "GRPO variants in the grid"),
     ("cells", ("sweep",), "variant x seed cells run or reused"),
     ("cells_reused", ("sweep",), "cells whose runs were reused (same parameters and code version)"),
+    ("comparisons", ("plan",), "comparisons the plan sizes (the pilot's rows planned, or 1 from --discordance)"),
     ("<step>/<step metric>", ("pipeline",),
      "a step's metric, under the step's run name: `filter/band`, `grpo/summary/reward_std`, `eval-sft-dev/ex`, "
      "`eval-grpo-dev/ex`, `eval-grpo-dev/vs_baseline/diff`, `eval-grpo-dev/vs_baseline/p`, ..."),

@@ -11,8 +11,10 @@ Every cell logs the same metric names (grpo's, evaluate's `ex` and `vs_baseline/
 `slmsql.variant` and `slmsql.seed`, so MLflow's compare view lines them up. The report pools each variant's
 seeds per eval set (`stats.compare_seeds`: mean EX, between-seed sd / min / max, a paired t-test per question
 with its interval), adjusts the p-values by Holm over every variant x eval set (the whole table is one family:
-a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. The interval and the
-unadjusted p are per comparison and agree with each other; the Holm p is what can make a verdict "no
+a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. That verdict is about the
+seeds trained; each comparison is also made with the seeds as a random unit (`seedstats.summary`: a verdict for the
+method, with its own Holm over the same family), shown beside it where there are 2 seeds or more. The interval
+and the unadjusted p are per comparison and agree with each other; the Holm p is what can make a verdict "no
 significant difference" where that interval excludes 0 (significant alone, not after trying every variant).
 """
 
@@ -25,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import configs, stats
+from .. import configs, seedstats, stats
 from ..configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, param_text
 from ..data import read_jsonl, write_json
 from ..errors import DataError, SlmsqlError
@@ -37,7 +39,8 @@ log = logging.getLogger(__name__)
 # fields of a cell's evaluate run that the sweep sets itself (the rest come from --evaluate-recipe / overrides)
 EVAL_OWNED = ("model", "adapter", "data", "db_root", "dataset_name", "baseline_run", "predictions", "alpha")
 STEP_OWNED = ("output_dir", "experiment", "run_name", "overwrite", "resume", "seed")  # set per step
-ROW_KEYS = ("ex_mean", "ex_sd", "ex_min", "ex_max", "diff", "diff_ci_low", "diff_ci_high", "p", "p_holm", "verdict")
+ROW_KEYS = ("ex_mean", "ex_sd", "ex_min", "ex_max", "diff", "diff_ci_low", "diff_ci_high", "p", "p_holm", "verdict",
+            "seed_diff_ci_low", "seed_diff_ci_high", "seed_p", "seed_p_holm", "seed_verdict")
 
 
 @dataclass(frozen=True)
@@ -229,15 +232,21 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
             start = getattr(plan.start_of.get(v.label), "name", "")
             rows.append({"variant": v.label, "start": start, "eval_set": es.name, **{k: res[k] for k in (
                 "n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
-                "diff_ci_high", "t", "df", "p")}})
+                "diff_ci_high", "t", "df", "p")}, **seedstats.summary(runs, [base[i] for i in ids], alpha)})
     for row, p_holm in zip(rows, stats.holm([r["p"] for r in rows])):
         row["p_holm"] = p_holm
         row["verdict"] = stats.verdict(p_holm, row["diff"], alpha)
+    with_seeds = [r for r in rows if r["seed_p"] is not None]  # the method's family: the same comparisons
+    for row, p_holm in zip(with_seeds, stats.holm([r["seed_p"] for r in with_seeds])):
+        row["seed_p_holm"], row["seed_verdict"] = p_holm, stats.verdict(p_holm, row["diff"], alpha)
     for row in rows:  # JSON has no NaN or inf: the sd of one seed, t when every question moved alike
-        for key in ("ex_sd", "t"):
+        row.setdefault("seed_p_holm", None)
+        row.setdefault("seed_verdict", None)
+        for key in ("ex_sd", "t", "seed_df"):
             row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
     return {
-        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "comparisons": len(rows),
+        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "seed_method": seeds.METHOD,
+        "comparisons": len(rows),
         "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
         "eval_sets": [_eval_set(name, rows, cells) for name in dict.fromkeys(
             es.name for st in (plan.starts or [None]) for es in plan.sets_of(st))],
@@ -296,8 +305,27 @@ def markdown(rep: dict) -> str:
                          f"{pct(r['ex_max'])} | "
                          f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}] | {pv(r['p'])} | "
                          f"{pv(r['p_holm'])} | {r['verdict']} |")
-        lines.append("")
+        lines += ["", *_method_table(rep, es["name"], pts, pv)]
     return "\n".join(lines)
+
+
+def _method_table(rep: dict, name: str, pts, pv) -> list[str]:
+    """The same comparisons with seeds as a random unit (seedstats.py): what the table above says of the seeds
+    trained, this says of the method; marked where the two verdicts differ."""
+    rows = [r for r in rep["rows"] if r["eval_set"] == name and r["seed_p"] is not None]
+    if not rows:
+        return []
+    out = [f"Over seeds (seeds a random unit too: a verdict for the method, not these seeds; Holm over "
+           f"{sum(r['seed_p'] is not None for r in rep['rows'])}):", "",
+           "| variant | between-seed sd of the diff (points) | diff [CI] over seeds | df | p | p (Holm) | verdict |",
+           "|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        df = "inf" if r["seed_df"] is None else f"{r['seed_df']:.1f}"
+        differs = f" (pooled: {r['verdict']})" if r["seed_verdict"] != r["verdict"] else ""
+        ci = f"[{pts(r['seed_diff_ci_low'])}, {pts(r['seed_diff_ci_high'])}]"
+        out.append(f"| {r['variant']} | {100 * r['var_seed'] ** 0.5:.1f} | {pts(r['diff'])} {ci} | {df} | "
+                   f"{pv(r['seed_p'])} | {pv(r['seed_p_holm'])} | {r['seed_verdict']}{differs} |")
+    return out + [""]
 
 
 def main(cfg: SweepConfig) -> dict:
