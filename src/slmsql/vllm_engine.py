@@ -50,6 +50,11 @@ def version() -> str:
     return ""
 
 
+def run_params(cfg) -> dict:
+    """A stage's params beside its config's: the vLLM version it generated with (--backend vllm)."""
+    return {"vllm_version": version()} if cfg.backend == "vllm" else {}
+
+
 COLOCATE_ON_CPU = (
     "GRPO with use_vllm=true in vllm_mode=colocate cannot run on a CPU with this vLLM ({version}): its CPU build "
     "packs every linear layer's weights for its own GEMM kernels when the engine loads and drops the parameters "
@@ -84,7 +89,7 @@ def check(cfg, sampling: dict | None) -> None:
     """What vLLM cannot do as the transformers path does, refused before any model or output exists."""
     from .models import stacked_on
 
-    if cfg.adapter and stacked_on(cfg.adapter):
+    if getattr(cfg, "adapter", "") and stacked_on(cfg.adapter):  # GRPO has none: vllm_rollouts serves its stack
         raise SlmsqlError(f"adapter '{cfg.adapter}' was stacked on another adapter (grpo --adapter-mode stack): "
                           "vLLM serves one LoRA on the base model; merge the inner adapter into a saved base "
                           "model and evaluate the outer one on it, or use --backend transformers")
@@ -105,8 +110,9 @@ class Engine:
     max_model_len: int
 
 
-def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
-    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens."""
+def load(cfg, longest: int, tokenizer, **engine_args) -> tuple[Engine, object]:
+    """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens;
+    `engine_args`: further `vllm.LLM` arguments (GRPO's rollouts: vllm_rollouts)."""
     from transformers import AutoConfig, GenerationConfig
 
     from .models import adapter_folder, resolve_device, resolve_dtype, stop_ids
@@ -132,6 +138,7 @@ def load(cfg, longest: int, tokenizer) -> tuple[Engine, object]:
         folder = adapter_folder(cfg.adapter)
         kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(PeftConfig.from_pretrained(str(folder)).r))
         lora = vllm.lora.request.LoRARequest("adapter", 1, str(folder))
+    kwargs.update(engine_args)
     try:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
