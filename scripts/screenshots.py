@@ -1,4 +1,4 @@
-"""Regenerate the README's "Looking at the results" images from a demo run's tracking server store.
+"""Regenerate the docs' "Looking at the results" images (docs/getting-started.md) from a demo run's tracking server store.
 
     slmsql server &                                           # mlflow-server.db, artifacts served from mlartifacts/
     MLFLOW_TRACKING_URI=http://127.0.0.1:5000 slmsql pipeline   # the demo, tracked through the server

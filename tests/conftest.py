@@ -43,7 +43,7 @@ def _isolated_mlflow(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _documented_metrics_only(monkeypatch):
     """Every metric any stage logs, in any test, must be in the documented vocabulary for that stage
-    (`vocabulary.VOCABULARY`, README "Metric vocabulary"): an undocumented name fails the test that logged it."""
+    (`vocabulary.VOCABULARY`, docs/vocabulary.md): an undocumented name fails the test that logged it."""
     import mlflow
 
     from slmsql import vocabulary
@@ -59,7 +59,7 @@ def _documented_metrics_only(monkeypatch):
             stages[run_id] = mlflow.get_run(run_id).data.tags.get("slmsql.stage", "")
         stage = stages[run_id] or None
         bad = [n for n in names if not vocabulary.documented(n, stage)]
-        assert not bad, f"{stage} logged metric(s) {bad} that are not in vocabulary.VOCABULARY (README: Metric vocabulary)"
+        assert not bad, f"{stage} logged metric(s) {bad} that are not in vocabulary.VOCABULARY (docs/vocabulary.md)"
 
     log_metric, log_metrics = mlflow.log_metric, mlflow.log_metrics
 

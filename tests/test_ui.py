@@ -115,17 +115,10 @@ def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paire
 
 
 def test_experiment_has_a_description(paired):
-    assert "Metric vocabulary" in paired.exp.tags[tracking.NOTE]
+    assert "docs/vocabulary.md" in paired.exp.tags[tracking.NOTE]
 
 
 # ---- metric vocabulary --------------------------------------------------------------------------------------
-
-def test_readme_documents_the_vocabulary():
-    readme = (ROOT / "README.md").read_text()
-    assert vocabulary.vocabulary_markdown() in readme, (
-        "README's metric table is out of date: paste the output of "
-        "`python -c 'from slmsql.vocabulary import vocabulary_markdown as v; print(v())'`")
-
 
 def test_vocabulary_names_what_runs_log(paired):
     base, best = paired.base, paired.best

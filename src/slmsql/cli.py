@@ -27,7 +27,7 @@ def _options(cls):
         for f in reversed(dataclasses.fields(cls)):
             flag = "--" + f.name.replace("_", "-")
             hint, help_ = hints[f.name], f.metadata.get("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = configs.default(f)
             if isinstance(default, list):
                 default = ",".join(map(str, default))
             help_ += f"  [default: {default}]" if default not in ("", {}) else ""
@@ -142,6 +142,36 @@ def runs_cmd(experiment, limit):
     from .tracking import runs_table
 
     click.echo(runs_table(experiment, limit))
+
+
+def reference_markdown() -> str:
+    """The docs' CLI reference (docs/cli.md, through docs/hooks.py): every stage's options as the commands above
+    define them from configs.py: flag, type, default, help, and the key a recipe sets."""
+    from .mlproject import entry_point
+
+    def type_name(hint, f):
+        if "choices" in f.metadata:
+            return " \\| ".join(f.metadata["choices"])
+        return getattr(hint, "__name__", str(hint)).replace("|", "or")
+
+    out = []
+    for stage, cls in configs.STAGES.items():
+        hints = typing.get_type_hints(cls)
+        out += [f"## `slmsql {stage}`", "", (cls.__doc__ or "").strip().replace("\n", " "), "",
+                f"MLproject entry point `{entry_point(stage)}`; `--recipe FILE` reads a YAML recipe that sets any "
+                "recipe key (default < recipe < command line).", "",
+                "| option | recipe key | type | default | meaning |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = configs.default(f)
+            if isinstance(default, list):
+                default = ",".join(map(str, default))
+            shown = ("(required)" if f.metadata.get("required") else
+                     f"`{default}`" if default not in ("", {}) else "(empty)")
+            help_ = f.metadata.get("help", "").replace("|", "\\|")
+            out.append(f"| `--{f.name.replace('_', '-')}` | `{f.name}` | {type_name(hints[f.name], f)} | {shown} "
+                       f"| {help_} |")
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

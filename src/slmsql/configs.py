@@ -402,6 +402,11 @@ def fields(cls):
     return dataclasses.fields(cls)
 
 
+def default(f: dataclasses.Field):
+    """A field's default value (lists and dicts come from their factory)."""
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def scalar(text: str):
     """A command-line value: true/false, null, an int, a float (1e-3 too), else the string itself. Not YAML's
     rules, under which `save_strategy=no` would arrive as False (and 1e-3 as a string)."""

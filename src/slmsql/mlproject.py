@@ -7,6 +7,7 @@ import typing
 
 import yaml
 
+from . import configs
 from .configs import STAGES, param_text
 
 HEADER = """\
@@ -23,14 +24,18 @@ def render() -> str:
         params = {"recipe": {"type": "string", "default": ""}}
         command = [f"slmsql {stage} --recipe {{recipe}}"]
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = configs.default(f)
             params[f.name] = {"type": MLFLOW_TYPE.get(hints[f.name], "string")}  # lists: comma-separated
             if not f.metadata.get("required"):  # no default: `mlflow run` then demands the parameter
                 # numbers stay numbers in the YAML; the rest is written as the command line takes it
                 params[f.name]["default"] = param_text(default) if isinstance(default, (bool, list, dict)) else default
             command.append(f"--{f.name.replace('_', '-')} {{{f.name}}}")
-        name = "main" if stage == "pipeline" else stage.replace("-", "_")
-        entry_points[name] = {"parameters": params, "command": " ".join(command)}
+        entry_points[entry_point(stage)] = {"parameters": params, "command": " ".join(command)}
     doc = {"name": "slmsql", "python_env": None, "conda_env": "conda.yaml", "entry_points": entry_points}
     doc.pop("python_env")
     return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def entry_point(stage: str) -> str:
+    """The MLproject entry point of a stage: `main` runs the pipeline (`mlflow run .`), the rest their name."""
+    return "main" if stage == "pipeline" else stage.replace("-", "_")

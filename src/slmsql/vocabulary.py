@@ -1,8 +1,8 @@
 """The metric vocabulary: every metric name a run logs, in one place.
 
-(name, runs that log it, meaning). A `<placeholder>` stands for any of the values in PLACEHOLDERS. README's
-"Metric vocabulary" table is `vocabulary_markdown()` (a test keeps them equal, and tests fail when a stage
-logs a name that is not here).
+(name, runs that log it, meaning). A `<placeholder>` stands for any of the values in PLACEHOLDERS. The docs'
+metric vocabulary page (docs/vocabulary.md) is `vocabulary_markdown()`, filled in when the docs build
+(docs/hooks.py); tests fail when a stage logs a name that is not here.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def documented(name: str, stage: str | None = None) -> bool:
 
 
 def vocabulary_markdown() -> str:
-    """The README's metric table, generated from VOCABULARY."""
+    """The docs' metric table (docs/vocabulary.md), generated from VOCABULARY."""
     lines = ["| metric | meaning | runs |", "|---|---|---|"]
     for name, stages, meaning in VOCABULARY:
         lines.append(f"| `{name}` | {meaning.replace('|', '/')} | {', '.join(stages)} |")

@@ -14,7 +14,7 @@ import logging
 import shlex
 from pathlib import Path
 
-from . import configs
+from . import configs, mlproject
 from .errors import SlmsqlError
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class Steps:
             self.reused.append(found.info.run_id)
             return found
         log.info("step %-14s running ...", name)
-        entry_point = stage.replace("-", "_")
+        entry_point = mlproject.entry_point(stage)
         run = self._create(entry_point, name, {**params, "overwrite": "true"}, tags or {})
         # the run exists, tagged, before the step starts: `mlflow.run` then runs the entry point in it, blocking
         # (waiting without blocking would start one more `mlflow run` process per step)

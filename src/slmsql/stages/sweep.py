@@ -274,7 +274,7 @@ def wide_table(rep: dict):
 
 
 def markdown(rep: dict) -> str:
-    # ASCII signs and 3-decimal p: the terminal table README's "A toy study" reproduces (the card uses wording's)
+    # ASCII signs and 3-decimal p: the terminal table docs/studies.md reproduces (the card uses wording's)
     pts = lambda x: "n/a" if x is None else f"{100 * x:+.1f}"  # noqa: E731
     pv = lambda p: "< 0.001" if p < 0.001 else f"{p:.3f}"  # noqa: E731
     level = f"{1 - rep['alpha']:.0%}"

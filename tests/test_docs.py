@@ -1,0 +1,73 @@
+"""The manual: README as a front page, the docs site built strict, and the pages generated from the code."""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci_env import in_ci
+from slmsql import cli, configs, vocabulary
+
+ROOT = Path(__file__).parents[1]
+
+
+def hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_is_a_front_page_whose_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#\s]+)", readme)
+    assert len(links) >= 15, "the front page links the manual"
+    missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
+    assert missing == []
+
+
+def test_vocabulary_page_is_generated_from_the_vocabulary():
+    page = (ROOT / "docs" / "vocabulary.md").read_text()
+    rendered = hooks().render("vocabulary.md", page)
+    assert vocabulary.vocabulary_markdown() in rendered
+    for name, _, _ in vocabulary.VOCABULARY:
+        assert f"| `{name}` |" in rendered
+
+
+def test_cli_page_lists_every_option_the_cli_accepts():
+    """From the click commands themselves (what users type), not from the generator's own loop."""
+    rendered = hooks().render("cli.md", (ROOT / "docs" / "cli.md").read_text())
+    for stage in configs.STAGES:
+        section = rendered.split(f"## `slmsql {stage}`")[1].split("\n## ")[0]
+        command = cli.main.commands[stage]
+        flags = {opt for p in command.params for opt in p.opts if opt != "--recipe"}
+        shown = set(re.findall(r"^\| `(--[a-z0-9-]+)` \|", section, re.M))
+        assert shown == flags, stage
+        for p in command.params:
+            field = next((f for f in configs.fields(configs.STAGES[stage]) if f.name == p.name), None)
+            if field is not None and field.metadata.get("help"):
+                assert field.metadata["help"].replace("|", "\\|") in section
+
+
+def test_a_page_without_its_marker_fails_the_build():
+    with pytest.raises(ValueError, match="docs/cli.md: the marker"):
+        hooks().render("cli.md", "# CLI options\n")
+
+
+def test_docs_build_strict(tmp_path):
+    """`make docs` as CI runs it: mkdocs in strict mode (a broken link, a missing page fails); in a new process."""
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
+    if mkdocs is None:
+        if in_ci():
+            pytest.fail("mkdocs missing under CI: `make docs` installs the docs extra")
+        pytest.skip("mkdocs not installed (pip install -e '.[docs]')")
+    proc = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    html = (tmp_path / "site" / "cli" / "index.html").read_text()
+    assert "--max-completion-length" in html and "<!-- slmsql:cli -->" not in html
