@@ -22,35 +22,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # grpo_gpu's Clock
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
-
-
-class Clock:
-    """Per optimizer step: wall time, and the time spent in TRL's _generate and _generate_and_score_completions."""
-
-    def __init__(self):
-        self.steps, self.current, self.last = [], {"generate": 0.0, "generate_and_score": 0.0}, None
-
-    def wrap(self, fn, bucket):
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.current[bucket] += time.perf_counter() - t0
-
-        return timed
-
-    def step_end(self):
-        now = time.perf_counter()
-        if self.last is not None:
-            self.steps.append({"step": now - self.last, **self.current})
-        self.current, self.last = {k: 0.0 for k in self.current}, now
 
 
 def run(backend: str, args, root: Path) -> dict:
@@ -61,17 +39,21 @@ def run(backend: str, args, root: Path) -> dict:
     from slmsql import configs
     from slmsql.stages import grpo
 
-    clock = Clock()
+    from grpo_gpu import Clock  # its per-step buckets, driven here by the stage's own trainer
+
+    clock = Clock(cuda=False)
     saved = {name: getattr(GRPOTrainer, name) for name in ("_generate", "_generate_and_score_completions")}
     on_begin, on_end = CallbackHandler.on_train_begin, CallbackHandler.on_step_end
 
-    def begin(self, *a, **kw):
-        clock.step_end()  # the first step starts here (model loaded, trainer built)
-        return on_begin(self, *a, **kw)
+    step_clock = clock.callback()
 
-    def end(self, *a, **kw):
-        clock.step_end()
-        return on_end(self, *a, **kw)
+    def begin(self, args, state, control):
+        step_clock.on_train_begin(args, state, control)  # the first step starts here (model loaded, trainer built)
+        return on_begin(self, args, state, control)
+
+    def end(self, args, state, control):
+        step_clock.on_step_end(args, state, control)
+        return on_end(self, args, state, control)
 
     GRPOTrainer._generate = clock.wrap(saved["_generate"], "generate")
     GRPOTrainer._generate_and_score_completions = clock.wrap(saved["_generate_and_score_completions"],
@@ -80,7 +62,7 @@ def run(backend: str, args, root: Path) -> dict:
     cfg = configs.load(configs.GRPOStageConfig, str(args.recipe), {
         "backend": backend, "data": str(root / "rl.jsonl"), "db_root": str(root / "toy" / "databases"),
         "output_dir": str(root / f"grpo-{backend}"), "max_steps": args.warmup + args.steps, "save_steps": 1000,
-        "completions_every": 1000, "workers": 1, "seed": args.seed})
+        "completions_every": 1000, "workers": 1, "seed": args.seed, **({"model": args.model} if args.model else {})})
     try:
         summary = grpo.main(cfg)
     finally:
@@ -111,6 +93,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per backend")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (the vLLM engine starts in the first)")
     ap.add_argument("--recipe", type=Path, default=RECIPE)
+    ap.add_argument("--model", default="", help="another model than the recipe's (tests: a tiny one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -21,7 +21,7 @@ import mlflow
 import pytest
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
-from test_vllm import vllm_ready  # noqa: F401  (the fixture)
+from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
 
 from slmsql import configs, distributed, vllm_rollouts
 from slmsql.stages import grpo
@@ -89,26 +89,6 @@ def _greedy_both(rollouts, trainer, prompts, new_tokens=24):
     return engine, own
 
 
-@pytest.fixture(scope="module")
-def base_adapter(policy, tmp_path_factory):
-    """A LoRA on the policy that changes its answers (random B, scaled small), as an SFT adapter would."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(policy.model),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM",
-                                      init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.05)
-    folder = tmp_path_factory.mktemp("base-adapter") / "lora"
-    model.save_pretrained(folder)
-    return folder
-
-
 def _history(run_id, key):
     client = mlflow.MlflowClient()
     return sorted((h.step, h.value) for h in client.get_metric_history(run_id, key))
@@ -116,7 +96,7 @@ def _history(run_id, key):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fresh", "continue", "stack"])
-def test_rollouts_come_from_the_policy_of_each_step(mode, policy, base_adapter, tmp_path, monkeypatch, vllm_ready):
+def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_path, monkeypatch, vllm_ready):
     probes = []
     rollout = vllm_rollouts.Rollouts.__call__
 
@@ -125,10 +105,10 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, base_adapter, 
         return rollout(self, prompts, trainer)
 
     monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
-    adapter = {} if mode == "fresh" else {"base_adapter": str(base_adapter), "adapter_mode": mode}
+    start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
     steps = 4 if mode == "fresh" else 2
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
-                   learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **adapter)
+                   learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **start)
     assert grpo.main(cfg)["steps"] == steps
     assert len(probes) == steps
     for step, (engine, own) in enumerate(probes):
