@@ -167,14 +167,13 @@ class Rollouts:
 
 
 def trainer_for(cfg, trainer_cls, work: Path, model, tokenizer, longest: int):
-    """(trainer class, Rollouts or None): `trainer_cls` as it is (--backend transformers), or generating through a
-    vLLM engine (`model`: the policy's base as the stage loaded it; `longest`: its longest prompt in tokens)."""
+    """`trainer_cls` as it is (--backend transformers), or generating through a vLLM engine (`model`: the policy's
+    base as the stage loaded it; `longest`: its longest prompt in tokens)."""
     if cfg.backend != "vllm":
-        return trainer_cls, None
+        return trainer_cls
     stacked = cfg.base_adapter and cfg.adapter_mode == "stack"  # the stage loaded that merge: saved as it is
     base = engine_base(cfg, work, *((model, tokenizer) if stacked else ()))
-    rollouts = Rollouts(cfg, base, longest, tokenizer, work)
-    return trainer_class(trainer_cls, rollouts), rollouts
+    return trainer_class(trainer_cls, Rollouts(cfg, base, longest, tokenizer, work))
 
 
 def trainer_class(trainer_cls, rollouts: Rollouts):
@@ -183,6 +182,12 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
         return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
                                  **trainer_cls.keywords)
 
+    from transformers import TrainerCallback
+
+    class CloseAtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            rollouts.close()
+
     class VllmRolloutTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, rollout_func=rollouts, **kwargs)
@@ -190,5 +195,6 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
             # measures and corrects these rollouts as it does its own vLLM's (module docstring)
             self.use_vllm, self._last_loaded_step = True, -1
             self.vllm_generation = rollouts.bind(self)
+            self.add_callback(CloseAtEnd())
 
     return VllmRolloutTrainer

@@ -6,6 +6,7 @@ group fraction, sampled completions as tables every `completions_every` steps, a
 adapter with its tokenizer and resolved config. `--resume` continues the crashed run in the same MLflow run.
 Under torchrun / `accelerate launch` every process generates and trains on its share of each batch, with
 its own sandbox pool; the main process alone logs to MLflow and writes the adapter (distributed.py).
+`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (vllm_rollouts.py).
 """
 
 from __future__ import annotations
@@ -113,8 +114,7 @@ def main(cfg: GRPOStageConfig) -> dict:
         # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
         training.compact_fused_head()
         # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_rollouts)
-        Trainer, rollouts = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer,
-                                                     token_metrics["tokens/prompt_max"])
+        Trainer = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,
@@ -127,8 +127,6 @@ def main(cfg: GRPOStageConfig) -> dict:
         # the main process picks the checkpoint, so every process resumes from the same one
         resume_from = distributed.from_main(lambda: training.last_checkpoint(work)) if cfg.resume else None
         trainer.train(resume_from_checkpoint=resume_from)
-        if rollouts is not None:
-            rollouts.close()
 
         # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run; by the main
         # process only (every process holds the same weights after the last synchronised step)
