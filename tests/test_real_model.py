@@ -173,5 +173,5 @@ def test_grpo_on_vllm_rollouts(stages):
     gap = sorted((h.step, h.value) for h in client.get_metric_history(run.info.run_id,
                                                                        "sampling/sampling_logp_difference/max"))
     assert [s for s, _ in gap] == [1, 2]
-    assert all(v < 0.5 for _, v in gap), gap  # fp32 on both sides; the recipe's LoRA dropout stays on in TRL's pass
+    assert all(v < 0.1 for _, v in gap), gap  # fp32; the recipe's LoRA dropout is on in TRL's pass: 0.008 measured
     assert (root / "grpo-vllm" / "adapter" / "adapter_model.safetensors").is_file()
