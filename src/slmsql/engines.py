@@ -147,11 +147,9 @@ def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], Non
 
 def run_params(work: Work) -> dict:
     """Params beside the config's: the vLLM version generation ran with."""
-    if work.cfg.backend != "vllm":
-        return {}
     from . import vllm_engine
 
-    return {"vllm_version": vllm_engine.version()}
+    return vllm_engine.run_params(work.cfg)
 
 
 def check_settings(work: Work, generating: bool) -> None:

@@ -53,6 +53,11 @@ def version() -> str:
     return ""
 
 
+def run_params(cfg) -> dict:
+    """A stage's params beside its config's: the vLLM version it generated with (--backend vllm)."""
+    return {"vllm_version": version()} if cfg.backend == "vllm" else {}
+
+
 COLOCATE_ON_CPU = (
     "GRPO with use_vllm=true in vllm_mode=colocate cannot run on a CPU with this vLLM ({version}): its CPU build "
     "packs every linear layer's weights for its own GEMM kernels when the engine loads and drops the parameters "
@@ -87,7 +92,7 @@ def check(cfg, sampling: dict | None) -> None:
     """What vLLM cannot do as the transformers path does, refused before any model or output exists."""
     from .models import stacked_on
 
-    if cfg.adapter and stacked_on(cfg.adapter):
+    if getattr(cfg, "adapter", "") and stacked_on(cfg.adapter):  # GRPO has none: vllm_rollouts serves its stack
         raise SlmsqlError(f"adapter '{cfg.adapter}' was stacked on another adapter (grpo --adapter-mode stack): "
                           "vLLM serves one LoRA on the base model; merge the inner adapter into a saved base "
                           "model and evaluate the outer one on it, or use --backend transformers")
@@ -109,9 +114,11 @@ class Engine:
     dtype: str = ""  # the precision it runs in (float32, bfloat16, ...), as a transformers model's `.dtype` says
 
 
-def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = None) -> tuple[Engine, object]:
+def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = None,
+         **engine_args) -> tuple[Engine, object]:
     """(Engine, tokenizer) for cfg.model (+ cfg.adapter), sized for prompts of up to `longest` tokens;
-    `gpu_memory_utilization`: the share of the GPU's memory it may claim (None: vLLM's default, 0.9)."""
+    `gpu_memory_utilization`: the share of the GPU's memory it may claim (None: vLLM's default, 0.9);
+    `engine_args`: further `vllm.LLM` arguments (GRPO's rollouts: vllm_rollouts)."""
     from transformers import AutoConfig, GenerationConfig
 
     from .models import adapter_folder, dtype_name, resolve_device, stop_ids
@@ -140,6 +147,7 @@ def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = No
         folder = adapter_folder(cfg.adapter)
         kwargs.update(enable_lora=True, max_lora_rank=_lora_rank(PeftConfig.from_pretrained(str(folder)).r))
         lora = vllm.lora.request.LoRARequest("adapter", 1, str(folder))
+    kwargs.update(engine_args)
     try:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve

@@ -36,6 +36,7 @@ PLACEHOLDERS = {
     "<step metric>": r"[\w./-]+",
     "<signal>": "|".join(map(re.escape, SIGNAL)),
     "<ds metric>": "groups_sampled|groups_kept|groups_dropped|groups_filled|extra_rounds",
+    "<is stat>": "min|mean|max",
 }
 VOCABULARY = [
     ("ex", ("evaluate",), "execution accuracy: share of questions whose predicted SQL returns the gold result"),
@@ -84,6 +85,13 @@ VOCABULARY = [
      "the extra generation rounds it took"),
     ("advantage_gate/frac_groups_zeroed", ("grpo",),
      "`--advantage-gate correctness`: share of groups whose advantages were zeroed (no correctness variance)"),
+    ("sampling/sampling_logp_difference/mean", ("grpo",),
+     "`--backend vllm`, per step: mean over the sampled tokens of |log-prob under the policy being trained - "
+     "log-prob the vLLM engine sampled it with| (TRL's; 0 up to float error when the engine serves that policy)"),
+    ("sampling/sampling_logp_difference/max", ("grpo",), "the largest such gap over the step's sampled tokens"),
+    ("sampling/importance_sampling_ratio/<is stat>", ("grpo",),
+     "`--backend vllm`, per step: min, mean and max of TRL's importance-sampling correction "
+     "(exp of the gap, per sequence by default; `vllm_importance_sampling_*` trainer args)"),
     ("summary/<metric>", ("grpo",), "mean over the run's logged steps of `<metric>` (e.g. `summary/reward_std`, "
                                     "`summary/exec/frac_groups_correctness_varies`)"),
     ("<trl metric>", ("sft", "grpo"),

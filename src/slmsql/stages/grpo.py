@@ -6,6 +6,7 @@ group fraction, sampled completions as tables every `completions_every` steps, a
 adapter with its tokenizer and resolved config. `--resume` continues the crashed run in the same MLflow run.
 Under torchrun / `accelerate launch` every process generates and trains on its share of each batch, with
 its own sandbox pool; the main process alone logs to MLflow and writes the adapter (distributed.py).
+`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (vllm_rollouts.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ log = logging.getLogger(__name__)
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
-    from .. import distributed, grpo_variants
+    from .. import distributed, grpo_variants, vllm_rollouts
     from ..rewards import check
 
     check(cfg.rewards, cfg.reward_weights)
     grpo_variants.check(cfg, world_size=distributed.world_size())
+    vllm_rollouts.check(cfg, world_size=distributed.world_size())
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
@@ -46,8 +48,9 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards, tables,
-                    tracking, training, wording)
+    from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards,
+                    tables, tracking, training, vllm_engine, vllm_rollouts,
+                    wording)
     from ..models import check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -79,8 +82,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # adapter is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    with outbox, st, tracking.stage_run("grpo", cfg, promptcheck.params(prompt), tags=tags, run_id=st.run_id,
-                                        system_metrics=True,
+    params = {**promptcheck.params(prompt), **vllm_engine.run_params(cfg)}
+    with outbox, st, tracking.stage_run("grpo", cfg, params, tags=tags, run_id=st.run_id, system_metrics=True,
                                         outbox=outbox) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
@@ -113,6 +116,8 @@ def main(cfg: GRPOStageConfig) -> dict:
 
         # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
         training.compact_fused_head()
+        # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_rollouts)
+        Trainer = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,

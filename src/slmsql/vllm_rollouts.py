@@ -1,0 +1,200 @@
+"""GRPO's rollouts from slmsql's vLLM engine (`slmsql grpo --backend vllm`), the policy of every step as a LoRA.
+
+TRL 1.16's `GRPOTrainer(rollout_func=...)` (experimental) hands each generation batch's prompts to `Rollouts`,
+which samples them from one vLLM engine (vllm_engine.load) and returns prompt ids, completion ids and the
+engine's log-probs of the sampled tokens. Before the first rollout of every optimizer step TRL calls
+`sync_weights()` (as for its own vLLM modes): the trainer's LoRA is saved (PEFT format, a few MB, 0.05-0.1 s for
+SmolLM2-135M at r = 16) and served under a new `LoRARequest` with a new int id. vLLM caches adapters by id: the
+same id would keep serving the old weights. The engine's base weights are never touched: vLLM's CPU build packs
+them for its own kernels and drops their loaders (vllm_engine.COLOCATE_ON_CPU). Writing the tensors straight
+into vLLM's LoRA slots would save the file round trip, under 1% of a step, by reaching into vLLM's internals.
+
+The same work as the transformers path: prompts tokenized by the trainer itself (`_tokenize_prompts`: TRL's
+chat template); the trainer's temperature, top_p, top_k, min_p, repetition_penalty, completion budget, stop
+tokens (`eos_token_ids`) and `generation_kwargs`. A prompt's K samples are one request (n = K) seeded
+`generation.sample_seed(seed, key, 0)`, key = (step, the prompt's tokens, its occurrence in the step): the
+same question at the same step draws the same samples, resumed or not, whatever shares its batch.
+
+The log-prob gap: TRL recomputes the policy's log-probs of the sampled tokens, logs
+`sampling/sampling_logp_difference/{mean,max}` and weights the loss by its importance-sampling correction
+(`vllm_importance_sampling_*`, on by default) only when `use_vllm` is set, and it builds its own engine when
+`args.use_vllm` is set. So the trainer here sets `use_vllm` after TRL's init: TRL measures these rollouts as it
+measures its own. The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
+
+A LoRA that sits on merged adapters (`--adapter-mode stack`, or a continued adapter that was itself stacked) is
+served on that merge, saved once into the work folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from .errors import SlmsqlError
+
+FULL_WEIGHTS = (
+    "--backend vllm serves the policy of each step to its engine as a LoRA adapter: train one (--use-lora true, or "
+    "--base-adapter in continue mode). A full-weight policy would have to be loaded into the engine's weights every "
+    "step, which vLLM's CPU build cannot take (it packs them for its own kernels), or the engine rebuilt from a saved "
+    "model every step (tens of seconds each); on a GPU use TRL's own vLLM modes (--trainer-args use_vllm=true)")
+
+
+def trains_lora(cfg) -> bool:
+    return cfg.use_lora or (bool(cfg.base_adapter) and cfg.adapter_mode == "continue")
+
+
+def check(cfg, world_size: int) -> None:
+    """`--backend vllm`'s refusals, before any model loads."""
+    if cfg.backend != "vllm":
+        return
+    from . import vllm_engine
+
+    if not trains_lora(cfg):
+        raise SlmsqlError(FULL_WEIGHTS)
+    if world_size > 1:
+        raise SlmsqlError(f"--backend vllm runs in one process (one engine beside one trainer); this launch has "
+                          f"{world_size}: launch one process, or use TRL's vLLM server mode (--trainer-args "
+                          "use_vllm=true vllm_mode=server) on GPUs")
+    if cfg.trainer_args.get("use_vllm"):
+        raise SlmsqlError("--backend vllm and --trainer-args use_vllm=true both generate with vLLM: choose one")
+    vllm_engine.check(cfg, cfg.sampling())
+
+
+def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
+    """The model the engine serves the LoRA on: cfg.model, or the adapters beneath the LoRA merged into it and saved
+    under `work` (`merged`, `tokenizer`: that merge, where the stage has it loaded already)."""
+    from .models import load_model, stacked_on
+
+    beneath = None
+    if cfg.base_adapter:
+        beneath = cfg.base_adapter if cfg.adapter_mode == "stack" else stacked_on(cfg.base_adapter)
+    if beneath is None:
+        return cfg.model
+    if merged is None:
+        merged, tokenizer = load_model(cfg.model, str(beneath), merge_adapter=True, dtype=cfg.dtype)
+    folder = Path(work) / "vllm-base"
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+class Rollouts:
+    """TRL's `rollout_func` and, bound to the trainer as its `vllm_generation`, the weight sync TRL calls."""
+
+    def __init__(self, cfg, base: str, longest: int, tokenizer, work: Path):
+        self.cfg, self.base, self.longest, self.tokenizer = cfg, base, longest, tokenizer
+        self.folder = Path(work) / "vllm-lora"
+        self.engine = self.lora = self.trainer = None
+        self.lora_id, self.step, self.seen = 0, None, Counter()
+
+    def bind(self, trainer):
+        self.trainer = trainer
+        return self
+
+    def sync_weights(self) -> None:
+        """The trainer's LoRA as it is now, saved and served under a new LoRARequest id."""
+        from vllm.lora.request import LoRARequest
+
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        self.lora_id += 1
+        folder = self.folder / str(self.lora_id)
+        model.save_pretrained(str(folder), selected_adapters=["default"])
+        if self.engine is None:
+            self.engine = self._start(model.peft_config["default"].r)
+        old, self.lora = self.lora, LoRARequest(f"policy-{self.lora_id}", self.lora_id, str(folder))
+        if old is not None:  # vLLM read it when it served it; it is never asked for again
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def _start(self, rank: int):
+        import types
+
+        import torch
+
+        from . import vllm_engine
+
+        t = self.trainer
+        sequences = t.args.per_device_train_batch_size * t.args.steps_per_generation
+        # vllm_engine.load's view of this run: the engine's base, the completion budget, a whole generation batch
+        # of sequences at once (seeded requests need it, see load), the seed and precision
+        view = types.SimpleNamespace(model=self.base, adapter="", max_new_tokens=t.max_completion_length,
+                                     batch_size=sequences, seed=self.cfg.seed, dtype=self.cfg.dtype)
+        extra = dict(enable_lora=True, max_lora_rank=vllm_engine._lora_rank(rank), logprobs_mode="processed_logprobs")
+        if torch.cuda.is_available():  # the trainer shares the GPU: TRL's own share for a colocated engine
+            extra["gpu_memory_utilization"] = t.args.vllm_gpu_memory_utilization
+        engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
+        return engine
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        from vllm import SamplingParams
+
+        from .generation import sample_seed
+
+        t = trainer
+        if t.state.global_step != self.step:
+            self.step, self.seen = t.state.global_step, Counter()
+        ids, _, _ = t._tokenize_prompts(prompts)
+        k = t.num_generations if t.model.training else t.num_generations_eval
+        # TRL's sampler puts a prompt's K copies next to each other: one request of n = K per group
+        groups = [list(ids[i]) for i in range(0, len(ids), k)]
+        if any(list(ids[i]) != groups[i // k] for i in range(len(ids))):
+            raise SlmsqlError(f"rollouts: the batch's {len(ids)} prompts are not groups of {k} copies")
+        params = []
+        for group in groups:
+            self.seen[tuple(group)] += 1
+            key = f"{self.step}\x00{self.seen[tuple(group)]}\x00{group}"
+            params.append(SamplingParams(
+                n=k, temperature=t.temperature, top_p=t.top_p, top_k=t.top_k or 0, min_p=t.min_p or 0.0,
+                repetition_penalty=t.repetition_penalty, max_tokens=t.max_completion_length,
+                stop_token_ids=list(t.eos_token_ids), seed=sample_seed(self.cfg.seed, key, 0), logprobs=0,
+                detokenize=False, **(t.args.generation_kwargs or {})))
+        done = self.engine.llm.generate([{"prompt_token_ids": g} for g in groups], params, lora_request=self.lora,
+                                        use_tqdm=False)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for group, request in zip(groups, done):  # returned in input order
+            for c in request.outputs:
+                out["prompt_ids"].append(group)
+                out["completion_ids"].append(list(c.token_ids))
+                out["logprobs"].append([lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs)])
+        return out
+
+    def close(self) -> None:
+        """The adapter copies and the merged base are the engine's alone: gone with it."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.base != self.cfg.model:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def trainer_for(cfg, trainer_cls, work: Path, model, tokenizer, longest: int):
+    """`trainer_cls` as it is (--backend transformers), or generating through a vLLM engine (`model`: the policy's
+    base as the stage loaded it; `longest`: its longest prompt in tokens)."""
+    if cfg.backend != "vllm":
+        return trainer_cls
+    stacked = cfg.base_adapter and cfg.adapter_mode == "stack"  # the stage loaded that merge: saved as it is
+    base = engine_base(cfg, work, *((model, tokenizer) if stacked else ()))
+    return trainer_class(trainer_cls, Rollouts(cfg, base, longest, tokenizer, work))
+
+
+def trainer_class(trainer_cls, rollouts: Rollouts):
+    """`trainer_cls` (GRPOTrainer, or grpo_variants' partial of its subclass) generating through `rollouts`."""
+    if isinstance(trainer_cls, functools.partial):
+        return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
+                                 **trainer_cls.keywords)
+
+    from transformers import TrainerCallback
+
+    class CloseAtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            rollouts.close()
+
+    class VllmRolloutTrainer(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, rollout_func=rollouts, **kwargs)
+            # after TRL's init, which would build its own engine for args.use_vllm: from here on TRL syncs,
+            # measures and corrects these rollouts as it does its own vLLM's (module docstring)
+            self.use_vllm, self._last_loaded_step = True, -1
+            self.vllm_generation = rollouts.bind(self)
+            self.add_callback(CloseAtEnd())
+
+    return VllmRolloutTrainer

