@@ -33,7 +33,7 @@ from .stats import StatsError
 
 @dataclass(frozen=True)
 class Components:
-    """Variances of a per-question difference (seeds.components); var_seed None where the pilot had 1 seed."""
+    """Variances of a per-question difference (seedstats.components); var_seed None where the pilot had 1 seed."""
     var_question: float
     var_within: float = 0.0
     var_seed: float | None = None

@@ -1,7 +1,7 @@
 """Plan: size a study by power from a pilot sweep (`power.plan` per comparison), before the study runs.
 
 The pilot's report (`report/sweep.json`) carries each comparison's difference and variance components
-(`seeds.summary`); without one, a one-seed pilot's discordance and difference (and a between-seed sd from
+(`seedstats.summary`); without one, a one-seed pilot's discordance and difference (and a between-seed sd from
 elsewhere) stand in. Writes plan.json and plan.md, logged to an MLflow run: the declared plan is in the store
 before the study that follows it.
 """

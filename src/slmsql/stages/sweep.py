@@ -245,7 +245,7 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
         for key in ("ex_sd", "t", "seed_df"):
             row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
     return {
-        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "seed_method": seeds.METHOD,
+        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "seed_method": seedstats.METHOD,
         "comparisons": len(rows),
         "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
         "eval_sets": [_eval_set(name, rows, cells) for name in dict.fromkeys(
