@@ -338,8 +338,8 @@ class PipelineConfig(Common):
     reuse: bool = opt(True, "Reuse finished steps whose parameters and code version match.")
     repo_id: str = opt("slmsql/toy-grpo", "Hub repo id of the GRPO adapter.")
     base_repo: str = opt("slmsql/toy-sft", "Hub repo id of the SFT model (the adapter's local base, pushed too).")
-    push: bool = opt(False, "Push base and adapter to the Hub and register the text2sql model (needs a token: "
-                     "HF_TOKEN or `hf auth login`); else publish is a dry run.")
+    push: bool = opt(False, "Push base and adapter to the Hub (needs a token: HF_TOKEN or `hf auth login`); else "
+                     "publish is a dry run. Either way the text2sql model is registered (alias candidate).")
     hub_endpoint: str = opt("", "Hub endpoint for the push (default: HF_ENDPOINT or huggingface.co).")
     output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 
