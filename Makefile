@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm score-example test test-fast server bench clean smollm2 docs
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real score-example test test-fast server bench clean smollm2 docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -101,6 +101,40 @@ REAL_RECIPES ?= recipes/smollm2-135m
 demo-real: smollm2
 	HF_HUB_OFFLINE=1 $(BIN)/slmsql pipeline --model $(REAL_MODEL) --recipes $(REAL_RECIPES) \
 	  --experiment slmsql-smollm2 --output-dir outputs/smollm2 --repo-id slmsql/smollm2-toy-grpo
+
+# The SmolLM2-135M study (docs/studies.md "Does GRPO help a pretrained model?"): does GRPO improve a pretrained
+# model on questions it never saw? An SFT LoRA start with headroom (REAL_STUDY_SFT_STEPS, chosen by a short look),
+# the filter on all 300 toy rl_source questions with K = 8 (every question with correctness variance: 1 to 7 of 8
+# right), GRPO from that start on its band (REAL_STUDY_GRID, REAL_STUDY_SEEDS seeds), every cell scored greedily on
+# the whole toy dev and dev_cross (200 each) and on the band it trained on (toy-band-seen), against its start:
+# Holm over that planned family (3 eval sets x the grid's variants). Its own experiment and folder; reruns reuse
+# finished files and cells. HF_HUB_OFFLINE: the model comes from the cache (`make smollm2`).
+REAL_STUDY := outputs/smollm2-study
+REAL_STUDY_EXP := slmsql-smollm2-study
+REAL_STUDY_SFT_STEPS ?= 20
+REAL_STUDY_BAND ?= --k 8 --low 0.1 --high 0.9
+REAL_STUDY_GRID ?= max_steps=40
+REAL_STUDY_SEEDS ?= 3
+REAL := HF_HUB_OFFLINE=1 $(BIN)/slmsql
+
+$(REAL_STUDY)/sft/adapter_config.json: | outputs/toy/dev.jsonl
+	$(MAKE) smollm2
+	$(REAL) sft --recipe $(REAL_RECIPES)/sft.yaml --model $(REAL_MODEL) --max-steps $(REAL_STUDY_SFT_STEPS) \
+	  --output-dir $(REAL_STUDY)/sft --experiment $(REAL_STUDY_EXP)
+$(REAL_STUDY)/filter/band.jsonl: | $(REAL_STUDY)/sft/adapter_config.json
+	$(REAL) filter --recipe $(REAL_RECIPES)/filter.yaml --model $(REAL_MODEL) --adapter $(REAL_STUDY)/sft \
+	  --data outputs/toy/rl_source.jsonl --limit 0 $(REAL_STUDY_BAND) --output-dir $(REAL_STUDY)/filter \
+	  --experiment $(REAL_STUDY_EXP)
+
+study-real: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL) sweep --grid "$(REAL_STUDY_GRID)" --seeds $(REAL_STUDY_SEEDS) --experiment $(REAL_STUDY_EXP) \
+	  --model $(REAL_MODEL) --base-adapter $(REAL_STUDY)/sft --start-names sft \
+	  --data $(REAL_STUDY)/filter/band.jsonl --db-root outputs/toy/databases \
+	  --grpo-recipe $(REAL_RECIPES)/grpo.yaml --evaluate-recipe $(REAL_RECIPES)/evaluate.yaml \
+	  --overrides "evaluate.limit=0" \
+	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
+	  --start-eval-data $(REAL_STUDY)/filter/band.jsonl --start-eval-name toy-band-seen \
+	  --output-dir $(REAL_STUDY)/sweep
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

@@ -3,8 +3,10 @@ it (no cleanup at all, as `kill -9` from outside) right after the stage has writ
 killed mid-run at a point the test chooses, however fast or slow the machine, with no race between the test
 and the run. It lives here, not in the library (as sandbox_faults.py's faulty runner does)."""
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 
 from slmsql import engines
@@ -27,6 +29,19 @@ def die_after(n: int) -> None:
         return run(work, examples, rows_then_die, **kwargs)
 
     engines.run = run_then_die  # the stages call engines.run at run time
+
+
+def killed_after(n: int, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `slmsql ARGS` in a new process killed right after its N-th row, then kill what the kill -9 left of
+    its process group (its sandbox workers); returns the finished process (stderr as bytes)."""
+    proc = subprocess.Popen([sys.executable, __file__, str(n), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, None, err)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlflow
 import pytest
 import scripted
 from click.testing import CliRunner
+from driver_faults import killed_after
 from policy import DB, foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs, passrates
@@ -197,13 +195,10 @@ def test_pass_rates_do_not_depend_on_chunks_or_batches(policy, filtered, tmp_pat
 
 # ---- resume after kill -9 -------------------------------------------------------------------------------
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
 def test_filter_resumes_after_kill(policy, tmp_path):
-    """kill -9 after the first chunk; the rerun keeps finished chunks, continues the same MLflow run, and
-    ends with exactly what an uninterrupted run writes."""
+    """kill -9 right after the first chunk is written (tests/driver_faults.py: at a row count the test picks, no
+    polling race); the rerun keeps finished chunks, continues the same MLflow run, and ends with exactly what an
+    uninterrupted run writes."""
     rl = read(policy.world / "rl_source.jsonl")
     own = read(policy.train) + [r for r in rl if r["db_id"] == DB]  # 60 questions: the band comes from here
     other = [r for r in rl if r["db_id"] != DB]
@@ -211,32 +206,16 @@ def test_filter_resumes_after_kill(policy, tmp_path):
     out = tmp_path / "out"
     args = ["filter", "--data", str(data), "--db-root", str(policy.db_root), "--model", str(policy.model),
             "--output-dir", str(out), "--k", "2", "--max-new-tokens", "32", "--workers", "1", "--timeout-s", "2"]
-    cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", *args]
     partial = tmp_path / "out.partial" / "passrates.jsonl"
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        while _lines(partial) < passrates.CHUNK and proc.poll() is None:
-            time.sleep(0.02)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the stage and its sandbox workers: no cleanup
-            os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
-    at_kill = _lines(partial)
-    assert passrates.CHUNK <= at_kill < 128, "the run finished before it was killed: nothing to resume"
-    assert not out.exists()
+    killed = killed_after(passrates.CHUNK, args, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    rows = read(partial)  # killed after the rows were written and synced: no torn line
+    assert len(rows) == passrates.CHUNK and not out.exists()
+    write(partial, [{**r, "mark": True} for r in rows])  # a rerun that sampled them again would drop the mark
+    kept = len(rows)
 
-    # Mark the finished rows: a rerun that sampled them again would write them without the mark.
-    rows = []
-    for line in partial.read_text().splitlines():  # a kill mid-write may leave a torn last line
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    kept = len(rows) - len(rows) % passrates.CHUNK
-    write(partial, [{**r, "mark": True} if i < kept else r for i, r in enumerate(rows)])
-
+    cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", *args]
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = read(out / "passrates.jsonl")

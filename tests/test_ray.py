@@ -37,6 +37,7 @@ import mlflow
 import psutil
 import pytest
 from ci_env import in_ci
+from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -299,14 +300,8 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
     data, ref, ref_metrics = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial" / "passrates.jsonl"
     opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_address": local_ray}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "driver_faults.py"), "5", "filter",
-                             *cli_args(opts)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=600)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # its sandbox workers, as a kill -9 of its group leaves them
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL, err.decode()[-3000:]
+    killed = killed_after(5, ["filter", *cli_args(opts)])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-3000:]
     rows = read(partial)  # killed after the rows were written and synced: no torn line
     assert 5 <= len(rows) < 41 and not out.exists()
     write(partial, [{**r, "mark": True} for r in rows])  # a rerun that scored them again would drop the mark

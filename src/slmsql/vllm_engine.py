@@ -163,25 +163,35 @@ def _lora_rank(r: int) -> int:
     raise SlmsqlError(f"LoRA rank {r} is above what vLLM serves (512)")
 
 
+def sampling_params(*, k: int, temperature: float, top_p: float, top_k: int, min_p: float,
+                    repetition_penalty: float, max_new_tokens: int, stop_ids: list[int], seed: int, **extra):
+    """The one request of a prompt's K samples (greedy, temperature 0: one answer, every other setting off),
+    returning token ids only (the model's own tokenizer decodes). Evaluate's, the filter's and GRPO's
+    rollouts (vllm_rollouts.py, `extra`: log-probs and TRL's generation_kwargs) are all built here."""
+    from vllm import SamplingParams
+
+    sampling = temperature > 0
+    return SamplingParams(
+        n=k if sampling else 1, temperature=temperature, top_p=top_p if sampling else 1.0,
+        top_k=(top_k or 0) if sampling else 0, min_p=(min_p or 0.0) if sampling else 0.0,
+        repetition_penalty=repetition_penalty if sampling else 1.0, max_tokens=max_new_tokens,
+        stop_token_ids=list(stop_ids), seed=seed, detokenize=False, **extra)
+
+
 def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, k: int, temperature: float,
              top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_new_tokens: int, seed: int,
              batch_size: int, progress: bool) -> list[list[str]]:
     """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate)."""
-    from vllm import SamplingParams
-
-    sampling = temperature > 0
-    n = k if sampling else 1
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     out: list[list[str]] = []
     for start in range(0, len(prompts), batch_size):  # bounded batches: see max_num_batched_tokens in load
-        params = [SamplingParams(
-            n=n, temperature=temperature, top_p=top_p if sampling else 1.0, top_k=top_k if sampling else 0,
-            min_p=min_p if sampling else 0.0, repetition_penalty=repetition_penalty if sampling else 1.0,
-            max_tokens=max_new_tokens, stop_token_ids=engine.stop_ids, seed=sample_seed(seed, key, 0),
-            detokenize=False) for key in keys[start:start + batch_size]]
+        params = [sampling_params(k=k, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                                  stop_ids=engine.stop_ids, seed=sample_seed(seed, key, 0))
+                  for key in keys[start:start + batch_size]]
         done = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
                                    lora_request=engine.lora, use_tqdm=progress)
         for request in done:  # returned in input order
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in request.outputs]
-            out.append(texts * (k // n))
+            out.append(texts * (k // len(texts)))
     return out

@@ -127,9 +127,8 @@ class Rollouts:
         return engine
 
     def __call__(self, prompts: list, trainer) -> dict:
-        from vllm import SamplingParams
-
-        from .generation import sample_seed
+        from . import vllm_engine
+        from .seeds import sample_seed
 
         t = trainer
         if t.state.global_step != self.step:
@@ -144,11 +143,11 @@ class Rollouts:
         for group in groups:
             self.seen[tuple(group)] += 1
             key = f"{self.step}\x00{self.seen[tuple(group)]}\x00{group}"
-            params.append(SamplingParams(
-                n=k, temperature=t.temperature, top_p=t.top_p, top_k=t.top_k or 0, min_p=t.min_p or 0.0,
-                repetition_penalty=t.repetition_penalty, max_tokens=t.max_completion_length,
-                stop_token_ids=list(t.eos_token_ids), seed=sample_seed(self.cfg.seed, key, 0), logprobs=0,
-                detokenize=False, **(t.args.generation_kwargs or {})))
+            params.append(vllm_engine.sampling_params(
+                k=k, temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, min_p=t.min_p,
+                repetition_penalty=t.repetition_penalty, max_new_tokens=t.max_completion_length,
+                stop_ids=t.eos_token_ids, seed=sample_seed(self.cfg.seed, key, 0), logprobs=0,
+                **(t.args.generation_kwargs or {})))
         done = self.engine.llm.generate([{"prompt_token_ids": g} for g in groups], params, lora_request=self.lora,
                                         use_tqdm=False)
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
