@@ -120,7 +120,7 @@ REAL := HF_HUB_OFFLINE=1 $(BIN)/slmsql
 $(REAL_STUDY)/sft/adapter_config.json: | outputs/toy/dev.jsonl
 	$(MAKE) smollm2
 	$(REAL) sft --recipe $(REAL_RECIPES)/sft.yaml --model $(REAL_MODEL) --max-steps $(REAL_STUDY_SFT_STEPS) \
-	  --output-dir $(REAL_STUDY)/sft --experiment $(REAL_STUDY_EXP)
+	  --trainer-args "save_strategy=steps save_steps=10" --output-dir $(REAL_STUDY)/sft --experiment $(REAL_STUDY_EXP)
 $(REAL_STUDY)/filter/band.jsonl: | $(REAL_STUDY)/sft/adapter_config.json
 	$(REAL) filter --recipe $(REAL_RECIPES)/filter.yaml --model $(REAL_MODEL) --adapter $(REAL_STUDY)/sft \
 	  --data outputs/toy/rl_source.jsonl --limit 0 $(REAL_STUDY_BAND) --output-dir $(REAL_STUDY)/filter \

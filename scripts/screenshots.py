@@ -84,8 +84,10 @@ def main() -> None:
                 # a laptop's 1600 px: the grouped table, each pair's verdict in one row, no horizontal scroll
                 "runs-table": (tracking.ui_link(exp.experiment_id, uri), (1600, 900), "eval-grpo-dev_cross", 0.75, 0),
                 # scrolled past three 200 px model attributes (logged from, source run, registered models): the
-                # datasets and each eval set's EX beside the (pinned) model names
-                "models-tab": (f"{base}/models?{mode}", (1600, 700), "Source run", 0.5, 600),
+                # datasets and each eval set's EX beside the (pinned) model names. Ready when the metric column
+                # groups are in ("Dataset: toy-dev_cross"): the attributes come first, and a grid scrolled before
+                # its metric columns arrive is not wide enough to scroll
+                "models-tab": (f"{base}/models?{mode}", (1600, 700), "toy-dev_cross", 0.5, 600),
                 "pipeline-run": (f"{base}/runs/{parent.info.run_id}?{mode}", (1600, 1100), "GRPO vs SFT", 0.85, 0),
                 "eval-run": (f"{base}/runs/{paired}/artifacts/disagreements_table.json?{mode}", (1600, 800),
                              "gold_sql", 0.75, 0),
