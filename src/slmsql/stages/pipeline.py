@@ -107,6 +107,8 @@ def headline_numbers(filt, grpo, evals) -> dict:
 
 
 def print_headline(h: dict, verdicts: dict, card: Path, link: str, model: str) -> None:
+    import mlflow
+
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     f = lambda k: h.get(k, float("nan"))  # noqa: E731
     lines = ["", f"slmsql lifecycle ({model}) finished", "",
@@ -120,9 +122,13 @@ def print_headline(h: dict, verdicts: dict, card: Path, link: str, model: str) -
         lines.append(f"  EX {split:<10}: {zeroshot}SFT {pct(h.get(f'eval-sft-{split}/ex'))} -> GRPO "
                      f"{pct(h.get(f'eval-grpo-{split}/ex'))}  (McNemar p={f(f'eval-grpo-{split}/vs_baseline/p'):.3g}: "
                      f"{verdicts[split]})")
-    lines += ["", f"  model card     : {card}",
-              "  MLflow UI      : .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (or your server),",
-              f"                   then open {link}", ""]
+    lines += ["", f"  model card     : {card}"]
+    store = mlflow.get_tracking_uri()
+    if store.startswith(("http://", "https://")):  # a tracking server: its UI is already up
+        lines += [f"  MLflow UI      : open {link}", ""]
+    else:
+        lines += [f"  MLflow UI      : .venv/bin/mlflow ui --backend-store-uri {store}",
+                  f"                   then open {link}", ""]
     print("\n".join(lines), flush=True)
 
 
