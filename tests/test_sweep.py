@@ -558,15 +558,18 @@ def _make_sweep_plan(target: str, tmp_path, monkeypatch):
     repo = Path(__file__).resolve().parents[1]
     dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), target, "BIN=bin", "VENV=venv"],
                          capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
-    lines = [shlex.split(x)[1:] for x in dry.splitlines() if x.startswith("bin/slmsql ")]
+    words = [shlex.split(x) for x in dry.splitlines()]
+    words = [w[next(i for i, t in enumerate(w) if "=" not in t):] for w in words if w]  # less VAR=value prefixes
+    lines = [w[1:] for w in words if w[0] == "bin/slmsql"]
     args = next(a for a in lines if a[0] == "sweep")
     for i, a in enumerate(args[:-1]):  # the files it reads, empty, where the study would find them
         if a in ("--data", "--eval-data", "--start-eval-data"):
             for f in args[i + 1].split(","):
                 (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
                 write(tmp_path / f, [])
-        elif a == "--db-root":
+        elif a in ("--db-root", "--base-adapter"):
             (tmp_path / args[i + 1]).mkdir(parents=True)
+    (tmp_path / "recipes").symlink_to(repo / "recipes")  # the recipes it names, as in the checkout
     monkeypatch.chdir(tmp_path)
     planned = []
     monkeypatch.setattr(sweep, "main", lambda cfg: planned.append(sweep.plan(cfg)))
@@ -604,3 +607,31 @@ def test_make_study_headroom_confirm_plans_fresh_seeds_on_each_starts_band(tmp_p
     for st in p.starts:  # each start scored on the band it trains on, under one name
         assert st.eval_set.name == "toy-band-seen" and Path(st.eval_set.data) == Path(st.data).resolve()
     assert p.starts[0].data != p.starts[1].data
+
+
+def test_make_study_real_plans_three_seeds_from_the_sft_start_on_its_band(tmp_path, monkeypatch):
+    pilot, _ = _make_sweep_plan("study-real-pilot", tmp_path / "pilot", monkeypatch)
+    p, lines = _make_sweep_plan("study-real", tmp_path / "study", monkeypatch)
+    filt = next(a for a in lines if a[0] == "filter")
+    assert filt[filt.index("--limit") + 1] == "0" and filt[filt.index("--k") + 1] == "8"  # all 300, K = 8
+    assert len(p.seeds) == 3 and not set(p.seeds) & set(pilot.seeds)  # the pilot's seed is none of the study's
+    assert len(p.grpo) == 1 and len(pilot.grpo) == 2  # the study: the one setting the pilot chose
+    assert [e.name for e in p.eval_sets] == ["toy-dev", "toy-dev_cross"]  # held out, whole (limit 0)
+    (st,) = p.starts
+    assert st.eval_set.name == "toy-band-seen" and Path(st.eval_set.data) == Path(st.data).resolve()
+
+
+def test_make_study_control_plans_one_comparison_on_its_own_start_and_band(tmp_path, monkeypatch):
+    pilot, _ = _make_sweep_plan("study-control-pilot", tmp_path / "pilot", monkeypatch)
+    p, lines = _make_sweep_plan("study-control", tmp_path / "control", monkeypatch)
+    sft = next(a for a in lines if a[0] == "sft")
+    assert "--max-steps" not in sft  # the demo's SFT, retrained under this float path
+    filt = next(a for a in lines if a[0] == "filter")
+    assert (filt[filt.index("--low") + 1], filt[filt.index("--high") + 1]) == ("0.1", "0.9")
+    # one start, one eval set (the band it trains on): a Holm family of 1, fresh seeds beside the pilot's two
+    assert len(p.starts) == 1 and len(p.grpo) == 1 and len(p.eval_sets) == 1
+    assert Path(p.eval_sets[0].data) == Path(p.starts[0].data).resolve()
+    assert len(p.seeds) >= 3 and len(pilot.seeds) == 2 and not set(p.seeds) & set(pilot.seeds)
+    # the start, the band and the cells in the control's own folder (two float paths, two folders)
+    outs = [a[a.index("--output-dir") + 1] for a in lines if a[0] in ("sft", "filter", "sweep")]
+    assert len(outs) == 3 and all(o.startswith("outputs/control/") for o in outs)

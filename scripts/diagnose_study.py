@@ -1,0 +1,164 @@
+"""Why a sweep's GRPO gained or did not: the diagnosis docs/studies.md reports for each study.
+
+    python scripts/diagnose_study.py --sweep outputs/smollm2-study/sweep \
+        --passrates outputs/smollm2-study/filter/passrates.jsonl --start-adapter outputs/smollm2-study/sft \
+        --base HuggingFaceTB/SmolLM2-135M-Instruct
+
+From the files a sweep leaves (`<sweep>/baseline/<set>/results.jsonl`, `<sweep>/cells/<variant>/seed-<n>/`), for
+every cell:
+  - the optimizer: the sampled training pass rate (`exec/correct`), mean of the first vs the last 10 logged steps;
+    the share of groups whose correctness varies and of groups with zero reward variance (reward separation);
+    the LoRA's movement, ||delta(scale * B @ A)|| / ||W|| over the adapted weights (from the start's adapter when
+    GRPO continued one, else from zero), W read from the base's safetensors (a folder, or a Hub id in the cache);
+  - the questions that changed, per eval set: how many the start got wrong and the cell right ("turned right") and
+    the reverse, by difficulty;
+and once: the headroom GRPO can reach (with --passrates, the filter's K samples of the start): of the questions
+the start gets wrong greedily on each eval set that the filter sampled, how many any sample got right.
+Prints markdown tables; the last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+
+def rows(path: Path) -> dict[str, dict]:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def curve(grpo: Path) -> list[dict]:
+    """The training log of a GRPO run: its last checkpoint's trainer_state.json."""
+    ckpts = sorted(grpo.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+    return json.loads(ckpts[-1].read_text())["log_history"] if ckpts else []
+
+
+def lora_delta(adapter: Path) -> dict[str, "torch.Tensor"]:
+    """scale * B @ A for every adapted weight, keyed by the base weight's name."""
+    from safetensors.torch import load_file
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / (math.sqrt(cfg["r"]) if cfg.get("use_rslora") else cfg["r"])
+    t = load_file(str(adapter / "adapter_model.safetensors"))
+    out = {}
+    for key, a in t.items():
+        if ".lora_A." in key:
+            name = re.sub(r"^base_model\.model\.", "", key.replace(".lora_A.", ".")).replace(".weight", "") + ".weight"
+            out[name] = scale * (t[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())
+    return out
+
+
+def base_weights(base: str, names) -> dict:
+    """The named weights of a base model's safetensors (a local folder, or a Hub id already in the cache)."""
+    from safetensors import safe_open
+    folder = Path(base)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+        folder = Path(snapshot_download(base, local_files_only=True))
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                if k in names:
+                    out[k] = st.get_tensor(k).float()
+    missing = set(names) - set(out)
+    if missing:
+        raise SystemExit(f"{base}: no weight named {sorted(missing)[0]} (of {len(missing)} adapted weights)")
+    return out
+
+
+def movement(adapter: Path, start: Path | None, base: str) -> float:
+    d = lora_delta(adapter)
+    s = lora_delta(start) if start else {}
+    w = base_weights(base, set(d))
+    num = sum(float(((d[k] - s[k]) if k in s else d[k]).pow(2).sum()) for k in d)
+    return math.sqrt(num / sum(float(w[k].pow(2).sum()) for k in d))
+
+
+def flips(start: dict, cell: dict) -> dict:
+    by = defaultdict(lambda: [0, 0])
+    for qid, r in cell.items():
+        was = start[qid]["correct"]
+        if was != r["correct"]:
+            by[r.get("difficulty", "all")][0 if r["correct"] else 1] += 1
+    right, wrong = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
+    return {"turned_right": right, "turned_wrong": wrong, "by_difficulty": {k: tuple(v) for k, v in sorted(by.items())}}
+
+
+def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, base: str | None) -> dict:
+    starts = {d.name: rows(d / "results.jsonl") for d in sorted((sweep / "baseline").iterdir())
+              if (d / "results.jsonl").is_file()}
+    cells = []
+    for seed_dir in sorted((sweep / "cells").glob("*/seed-*")):
+        log = [h for h in curve(seed_dir / "grpo") if "exec/correct" in h]
+        c = {"variant": seed_dir.parent.name, "seed": int(seed_dir.name.split("-")[1])}
+        if log:
+            c["pass_first10"] = mean(h["exec/correct"] for h in log[:10])
+            c["pass_last10"] = mean(h["exec/correct"] for h in log[-10:])
+            c["groups_vary"] = mean(h["exec/frac_groups_correctness_varies"] for h in log)
+            c["zero_std"] = mean(h["frac_reward_zero_std"] for h in log)
+        if base and (seed_dir / "grpo" / "adapter" / "adapter_config.json").is_file():
+            c["lora_movement"] = movement(seed_dir / "grpo" / "adapter", start_adapter, base)
+        c["flips"] = {}
+        for ev in sorted(seed_dir.glob("eval-*/results.jsonl")):
+            name = ev.parent.name[len("eval-"):]
+            if name in starts:
+                c["flips"][name] = flips(starts[name], rows(ev))
+        cells.append(c)
+    out = {"cells": cells}
+    if base and start_adapter:  # the yardstick: how far the start's own adapter moved W
+        out["start_lora_movement"] = movement(start_adapter, None, base)
+    if passrates:
+        pr = rows(passrates)
+        out["headroom"] = {}
+        for name, st in starts.items():
+            wrong = [pr[q] for q, r in st.items() if not r["correct"] and q in pr]
+            if wrong:
+                out["headroom"][name] = {"greedy_wrong": len(wrong),
+                                         "any_sample_right": sum(p["n_correct"] > 0 for p in wrong),
+                                         "mean_pass_rate": mean(p["pass_rate"] for p in wrong)}
+    return out
+
+
+def markdown(d: dict) -> str:
+    lines = ["| cell | train pass rate, first -> last 10 steps | groups varying | zero reward std | LoRA movement |",
+             "|---|---|---:|---:|---:|"]
+    for c in d["cells"]:
+        mv = f"{c['lora_movement']:.4f}" if "lora_movement" in c else "n/a"
+        tr = f"{c['pass_first10']:.2f} -> {c['pass_last10']:.2f}" if "pass_first10" in c else "n/a"
+        gv = f"{c['groups_vary']:.0%}" if "groups_vary" in c else "n/a"
+        zs = f"{c['zero_std']:.0%}" if "zero_std" in c else "n/a"
+        lines.append(f"| {c['variant']} seed {c['seed']} | {tr} | {gv} | {zs} | {mv} |")
+    lines += ["", "| cell | eval set | turned right | turned wrong | by difficulty (right, wrong) |", "|---|---|---:|---:|---|"]
+    for c in d["cells"]:
+        for name, f in c["flips"].items():
+            by = ", ".join(f"{k} {r}/{w}" for k, (r, w) in f["by_difficulty"].items())
+            lines.append(f"| {c['variant']} seed {c['seed']} | {name} | {f['turned_right']} | {f['turned_wrong']} | {by} |")
+    if "start_lora_movement" in d:
+        lines.append(f"\nthe start's own adapter: LoRA movement {d['start_lora_movement']:.4f}")
+    for name, h in d.get("headroom", {}).items():
+        lines.append(f"\nheadroom on {name}: {h['any_sample_right']} of the {h['greedy_wrong']} questions the start gets "
+                     f"wrong greedily have a right sample among the filter's (mean pass rate {h['mean_pass_rate']:.2f})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", required=True, type=Path, help="a sweep's --output-dir")
+    ap.add_argument("--passrates", type=Path, help="the filter's passrates.jsonl for the start (headroom)")
+    ap.add_argument("--start-adapter", type=Path, help="the adapter GRPO continued (its movement is subtracted)")
+    ap.add_argument("--base", help="the base model (folder or cached Hub id): with it, the LoRA's movement")
+    a = ap.parse_args(argv)
+    if not (a.sweep / "cells").is_dir():
+        raise SystemExit(f"{a.sweep}: not a sweep's output folder (no cells/)")
+    d = diagnose(a.sweep, a.passrates, a.start_adapter, a.base)
+    print(markdown(d))
+    print(json.dumps(d))
+
+
+if __name__ == "__main__":
+    main()
