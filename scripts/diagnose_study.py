@@ -38,7 +38,7 @@ def curve(grpo: Path) -> list[dict]:
     return json.loads(ckpts[-1].read_text())["log_history"] if ckpts else []
 
 
-def lora_delta(adapter: Path) -> dict[str, "torch.Tensor"]:
+def lora_delta(adapter: Path) -> dict:
     """scale * B @ A for every adapted weight, keyed by the base weight's name."""
     from safetensors.torch import load_file
     cfg = json.loads((adapter / "adapter_config.json").read_text())
