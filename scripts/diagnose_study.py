@@ -11,7 +11,8 @@ every cell:
     the LoRA's movement, ||delta(scale * B @ A)|| / ||W|| over the adapted weights (from the start's adapter when
     GRPO continued one, else from zero), W read from the base's safetensors (a folder, or a Hub id in the cache);
   - the questions that changed, per eval set: how many the start got wrong and the cell right ("turned right") and
-    the reverse, by difficulty;
+    the reverse, by difficulty; with --rl-data, on an eval set drawn from it (the band), split into the questions
+    the run drew for training (their text in its logged completions, `grpo/completions/*.parquet`) and the rest;
 and once: the headroom GRPO can reach (with --passrates, the filter's K samples of the start): of the questions
 the start gets wrong greedily on each eval set that the filter sampled, how many any sample got right.
 Prints markdown tables; the last line is JSON.
@@ -79,9 +80,21 @@ def movement(adapter: Path, start: Path | None, base: str) -> float:
     return math.sqrt(num / sum(float(w[k].pow(2).sum()) for k in d))
 
 
-def flips(start: dict, cell: dict) -> dict:
+def drawn(grpo: Path, rl: dict[str, dict]) -> set[str]:
+    """The RL questions a GRPO run drew: those whose question text is in a prompt its completion logs hold."""
+    import pandas as pd
+    seen = set()
+    for f in grpo.glob("completions/*.parquet"):
+        for prompt in pd.read_parquet(f, columns=["prompt"])["prompt"]:
+            seen.update(re.findall(r"^Question: (.*)$", prompt[-1]["content"], flags=re.M))
+    return {qid for qid, r in rl.items() if r["question"] in seen}
+
+
+def flips(start: dict, cell: dict, only: set | None = None) -> dict:
     by = defaultdict(lambda: [0, 0])
     for qid, r in cell.items():
+        if only is not None and qid not in only:
+            continue
         was = start[qid]["correct"]
         if was != r["correct"]:
             by[r.get("difficulty", "all")][0 if r["correct"] else 1] += 1
@@ -89,7 +102,8 @@ def flips(start: dict, cell: dict) -> dict:
     return {"turned_right": right, "turned_wrong": wrong, "by_difficulty": {k: tuple(v) for k, v in sorted(by.items())}}
 
 
-def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, base: str | None) -> dict:
+def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, base: str | None,
+             rl_data: Path | None = None) -> dict:
     starts = {d.name: rows(d / "results.jsonl") for d in sorted((sweep / "baseline").iterdir())
               if (d / "results.jsonl").is_file()}
     cells = []
@@ -104,10 +118,17 @@ def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, ba
         if base and (seed_dir / "grpo" / "adapter" / "adapter_config.json").is_file():
             c["lora_movement"] = movement(seed_dir / "grpo" / "adapter", start_adapter, base)
         c["flips"] = {}
+        rl = rows(rl_data) if rl_data else {}
+        trained = drawn(seed_dir / "grpo", rl) if rl else set()
         for ev in sorted(seed_dir.glob("eval-*/results.jsonl")):
             name = ev.parent.name[len("eval-"):]
             if name in starts:
-                c["flips"][name] = flips(starts[name], rows(ev))
+                res = rows(ev)
+                c["flips"][name] = flips(starts[name], res)
+                if rl and set(res) <= set(rl):  # an eval set drawn from the RL data: drawn vs not
+                    c["flips"][name + " (drawn)"] = {"n": len(trained & set(res)), **flips(starts[name], res, trained)}
+                    rest = set(res) - trained
+                    c["flips"][name + " (not drawn)"] = {"n": len(rest), **flips(starts[name], res, rest)}
         cells.append(c)
     out = {"cells": cells}
     if base and start_adapter:  # the yardstick: how far the start's own adapter moved W
@@ -137,7 +158,8 @@ def markdown(d: dict) -> str:
     for c in d["cells"]:
         for name, f in c["flips"].items():
             by = ", ".join(f"{k} {r}/{w}" for k, (r, w) in f["by_difficulty"].items())
-            lines.append(f"| {c['variant']} seed {c['seed']} | {name} | {f['turned_right']} | {f['turned_wrong']} | {by} |")
+            n = f" (n {f['n']})" if "n" in f else ""
+            lines.append(f"| {c['variant']} seed {c['seed']} | {name}{n} | {f['turned_right']} | {f['turned_wrong']} | {by} |")
     if "start_lora_movement" in d:
         lines.append(f"\nthe start's own adapter: LoRA movement {d['start_lora_movement']:.4f}")
     for name, h in d.get("headroom", {}).items():
@@ -152,10 +174,11 @@ def main(argv=None):
     ap.add_argument("--passrates", type=Path, help="the filter's passrates.jsonl for the start (headroom)")
     ap.add_argument("--start-adapter", type=Path, help="the adapter GRPO continued (its movement is subtracted)")
     ap.add_argument("--base", help="the base model (folder or cached Hub id): with it, the LoRA's movement")
+    ap.add_argument("--rl-data", type=Path, help="the RL data the cells trained on (the band): flips split drawn / not")
     a = ap.parse_args(argv)
     if not (a.sweep / "cells").is_dir():
         raise SystemExit(f"{a.sweep}: not a sweep's output folder (no cells/)")
-    d = diagnose(a.sweep, a.passrates, a.start_adapter, a.base)
+    d = diagnose(a.sweep, a.passrates, a.start_adapter, a.base, a.rl_data)
     print(markdown(d))
     print(json.dumps(d))
 

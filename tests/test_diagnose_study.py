@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
 from safetensors.torch import save_file
 
@@ -45,10 +46,17 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     (cell / "grpo/checkpoint-3").mkdir()  # an earlier checkpoint: not the one read
     (cell / "grpo/checkpoint-3/trainer_state.json").write_text(json.dumps({"log_history": []}))
     _adapter(cell / "grpo/adapter", 1.0)  # delta entry 2
+    (cell / "grpo/completions").mkdir()  # the run drew q0 and q2 (q3's text differs by a word: not drawn)
+    prompt = lambda q: [{"role": "user", "content": f"Database schema:\n...\n\nQuestion: {q}\n\nAnswer with SQL."}]
+    pd.DataFrame({"step": [1, 2], "prompt": [prompt("How many a?"), prompt("Which b?")]}).to_parquet(
+        cell / "grpo/completions/completions_00001.parquet")
+    _jsonl(tmp_path / "band.jsonl", [{"id": f"q{i}", "question": t} for i, t in
+                                     enumerate(["How many a?", "List c.", "Which b?", "How many a and d?"])])
     _jsonl(tmp_path / "passrates.jsonl", [{"id": "q0", "n_correct": 2, "pass_rate": 0.25},
                                           {"id": "q1", "n_correct": 0, "pass_rate": 0.0}])
     out = subprocess.run([sys.executable, str(SCRIPT), "--sweep", str(sweep), "--passrates", str(tmp_path / "passrates.jsonl"),
-                          "--start-adapter", str(tmp_path / "start"), "--base", str(base)],
+                          "--start-adapter", str(tmp_path / "start"), "--base", str(base),
+                          "--rl-data", str(tmp_path / "band.jsonl")],
                          capture_output=True, text=True, check=True).stdout
     d = json.loads(out.splitlines()[-1])
     (c,) = d["cells"]
@@ -57,6 +65,11 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     # ||W|| = 2 * sqrt(4) = 4; GRPO moved the entry from 1 to 2 (0.25 of ||W||); the start moved it 1 from 0 (0.25)
     assert abs(c["lora_movement"] - 0.25) < 1e-6 and abs(d["start_lora_movement"] - 0.25) < 1e-6
     assert c["flips"]["band"] == {"turned_right": 2, "turned_wrong": 1, "by_difficulty": {"hard": [1, 0], "simple": [1, 1]}}
+    # drawn: q0 turned right, q2 turned wrong; not drawn: q1 (unchanged), q3 turned right
+    assert c["flips"]["band (drawn)"] == {"n": 2, "turned_right": 1, "turned_wrong": 1,
+                                          "by_difficulty": {"simple": [1, 1]}}
+    assert c["flips"]["band (not drawn)"] == {"n": 2, "turned_right": 1, "turned_wrong": 0,
+                                              "by_difficulty": {"hard": [1, 0]}}
     # the start gets q0, q1, q3 wrong; the filter sampled q0 (2 of 8 right) and q1 (none)
     assert d["headroom"]["band"] == {"greedy_wrong": 2, "any_sample_right": 1, "mean_pass_rate": 0.125}
     assert "| lr_1 seed 7 | 0.10 -> 0.90 | 50% | 25% | 0.2500 |" in out
