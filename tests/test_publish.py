@@ -763,8 +763,17 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert "This adapter (seed 1) alone: bird: 36.9% → 36.2%" in tldr  # its own single-seed numbers follow
     table = section(card, "Seeds and variants")
     assert "seed 1 of the GRPO variant `defaults`, one of 2 variants × 3" in " ".join(table.split())
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(rows) == 2 * (1 + 2)  # per eval set: a header and one row per variant
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "between-seed sd" not in line]
+    # per eval set: the pooled table (a header and one row per variant), then the same rows over seeds
+    method_rows = [line for line in rows if line.count("|") == 7 and not line.startswith("| Variant")]
+    rows = [line for line in rows if line not in method_rows]
+    assert len(rows) == 2 * (1 + 2) and len(method_rows) == 2 * 2
+    assert table.count("Over seeds (the seeds a random unit too") == 2
+    for dataset in ("bird", "spider"):  # the method's interval: seedstats.over_seeds on the same questions
+        from slmsql.seedstats import over_seeds
+        r = over_seeds([data["runs"][("defaults", dataset, s)] for s in (0, 1, 2)], data["baseline"][dataset])
+        cell = f"[{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]".replace("-", "−")
+        assert any(line.startswith("| **defaults** (this adapter's)") and cell in line for line in method_rows)
     better = next(line for line in rows if line.startswith("| runs_tier=0.0 format_tier=0.0 |") and "improved" in line)
     bird_binary = np.array([data["runs"][("runs_tier=0.0 format_tier=0.0", "bird", s)] for s in (0, 1, 2)]).mean(1)
     assert f"| {100 * bird_binary.mean():.1f}% | {100 * bird_binary.std(ddof=1):.1f} |" in better
