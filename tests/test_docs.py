@@ -71,3 +71,13 @@ def test_docs_build_strict(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     html = (tmp_path / "site" / "cli" / "index.html").read_text()
     assert "--max-completion-length" in html and "<!-- slmsql:cli -->" not in html
+
+
+def test_the_docs_home_shows_the_readmes_result_table():
+    """The result table is written in the README and copied to the site's home: the two must not drift."""
+    def section(text):
+        start = text.index("## The result it computes")
+        return text[start:text.index("\n## ", start + 3)]
+    readme = section((ROOT / "README.md").read_text()).replace("](docs/", "](")
+    assert readme == section((ROOT / "docs" / "index.md").read_text())
+    assert "make study-real" in readme and "make study-control" in readme  # the studies that made its rows
