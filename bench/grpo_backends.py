@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # grpo_gpu's Clock
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
 
 
-def run(backend: str, args, root: Path) -> dict:
+def run(label: str, overrides: dict, args, root: Path, inputs_hook=None) -> dict:
+    """The grpo stage for `--warmup` + `--steps` steps with the recipe and `overrides`; per-step medians.
+    `inputs_hook(inputs)` sees every micro-batch the loss is computed on (bench/grpo_prefix.py counts tokens)."""
     import mlflow
     from transformers.trainer_callback import CallbackHandler
     from trl import GRPOTrainer
@@ -42,7 +44,8 @@ def run(backend: str, args, root: Path) -> dict:
     from grpo_gpu import Clock  # its per-step buckets, driven here by the stage's own trainer
 
     clock = Clock(cuda=False)
-    saved = {name: getattr(GRPOTrainer, name) for name in ("_generate", "_generate_and_score_completions")}
+    saved = {name: getattr(GRPOTrainer, name) for name in ("_generate", "_generate_and_score_completions",
+                                                              "_compute_loss")}
     on_begin, on_end = CallbackHandler.on_train_begin, CallbackHandler.on_step_end
 
     step_clock = clock.callback()
@@ -58,11 +61,18 @@ def run(backend: str, args, root: Path) -> dict:
     GRPOTrainer._generate = clock.wrap(saved["_generate"], "generate")
     GRPOTrainer._generate_and_score_completions = clock.wrap(saved["_generate_and_score_completions"],
                                                              "generate_and_score")
+    if inputs_hook is not None:
+        def compute_loss(self, model, inputs):
+            inputs_hook(inputs)
+            return saved["_compute_loss"](self, model, inputs)
+
+        GRPOTrainer._compute_loss = compute_loss
     CallbackHandler.on_train_begin, CallbackHandler.on_step_end = begin, end
     cfg = configs.load(configs.GRPOStageConfig, str(args.recipe), {
-        "backend": backend, "data": str(root / "rl.jsonl"), "db_root": str(root / "toy" / "databases"),
-        "output_dir": str(root / f"grpo-{backend}"), "max_steps": args.warmup + args.steps, "save_steps": 1000,
-        "completions_every": 1000, "workers": 1, "seed": args.seed, **({"model": args.model} if args.model else {})})
+        "data": str(root / "rl.jsonl"), "db_root": str(root / "toy" / "databases"),
+        "output_dir": str(root / f"grpo-{label}"), "max_steps": args.warmup + args.steps, "save_steps": 1000,
+        "completions_every": 1000, "workers": 1, "seed": args.seed, **({"model": args.model} if args.model else {}),
+        **overrides})
     try:
         summary = grpo.main(cfg)
     finally:
@@ -116,7 +126,7 @@ def main(argv=None):
               f"{transformers.__version__}, trl {trl.__version__}, vLLM {vllm_engine.version() or 'none'}; "
               f"{args.warmup} warm-up + {args.steps} timed steps per backend", flush=True)
         for backend in backends:
-            results[backend] = r = run(backend, args, root)
+            results[backend] = r = run(backend, {"backend": backend}, args, root)
             print(f"{backend:12s} step {r['step_s']:7.2f} s = generate {r['generate_s']:.2f} + score "
                   f"{r['score_s']:.2f} + train {r['train_s']:.2f}; {r['generate_tokens_per_s']:.0f} generated tok/s; "
                   f"completion tokens/step {r['completion_tokens_per_step']}", flush=True)

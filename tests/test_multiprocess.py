@@ -4,7 +4,8 @@ GRPO goes through `accelerate launch --config_file recipes/accelerate/ddp.yaml` 
 command, with `--num_processes 2 --mixed_precision no` for CPU), SFT through `torchrun`. Each launch must give
 one MLflow run, FINISHED, with the world size and the launcher; each metric once per step; one output folder
 (no `.partial`) with one adapter; no process left behind. Then each two-rank adapter (per-device batch B) is
-compared with a one-process run on batch 2B. SFT has no sampling: the adapters must agree to float precision.
+compared with a one-process run on batch 2B (for GRPO on TRL's plain path, the ranks with the shared prefix on).
+SFT has no sampling: the adapters must agree to float precision.
 GRPO samples its completions, and TRL seeds every rank with seed + rank, so two ranks draw other
 completions than one process does (measured: the updates differ by ~120% of their size, see README): the
 GRPO launch samples through `rowseeded.py` (each row from its own prompt-and-index seed, whatever the
@@ -180,8 +181,12 @@ def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tm
     scripted.install(monkeypatch, policy.model, scripted.right_and_no_sql_first(read(launched["data"])), G,
                      sample=rowseeded.row_seeded(GenerationMixin.generate, G))
     one = tmp_path / "grpo1"
+    # the one process on TRL's plain path: the two ranks computed each prompt once (shared_prefix, the default)
     grpo.main(configs.load(configs.GRPOStageConfig, None,
-                           {**grpo_options(policy, launched["data"], one, 2 * B), "workers": 1}))
+                           {**grpo_options(policy, launched["data"], one, 2 * B), "workers": 1,
+                            "shared_prefix": False}))
+    [run] = launched["runs"]["mp-grpo"]
+    assert run.data.tags["slmsql.shared_prefix"].startswith("on: ")
     two = launched["root"] / "grpo"
     for step in range(1, STEPS + 1):  # the same prompts, completions and group advantages at every step
         a, b = (pd.read_parquet(d / f"completions/completions_{step:05d}.parquet") for d in (two, one))

@@ -262,6 +262,9 @@ class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt,
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
     format_tier: float = opt(0.2, "Format reward for a ```sql block.")
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
+    shared_prefix: bool = opt(True, "Compute each distinct prompt of a micro-batch once in training (its completions "
+                              "attend to it; exact, checked against the plain path at the first step) and prefill it "
+                              "once in generation. false: TRL's plain path, every prompt forwarded G times.")
     advantage_gate: str = opt("none", "correctness: a group whose completions are all correct or all wrong gets "
                               "advantage 0, whatever its shaped rewards (none: TRL's advantages).",
                               choices=("none", "correctness"))

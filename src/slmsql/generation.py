@@ -22,6 +22,7 @@ from transformers import LogitsProcessorList
 from .data import Example
 from .errors import SlmsqlError
 from .extract import extract_sql
+from . import shared_prefix
 from .models import stop_ids
 from .prompts import builder_for, render_prompt
 from .seeds import sample_seed
@@ -96,6 +97,7 @@ def generate(
     progress: bool = True,
     backend: str = "transformers",
     keys: list[str] | None = None,
+    share_prefill: bool = True,
 ) -> list[list[str]]:
     """Return, for each prompt in the given order, `num_return_sequences` decoded completions.
 
@@ -105,7 +107,8 @@ def generate(
     of a prompt is drawn with `sample_seed(seed, key, i)`, where `keys` name the prompts (the filter passes
     question ids; default: the prompt text), so it does not depend on the batch, the call, or what ran before.
     With the transformers backend, prompts are batched longest first (least padding), `batch_size` prompts
-    (x K samples) per batch. With backend 'vllm', `model` is a `vllm_engine.Engine` (see vllm_engine.py).
+    (x K samples) per batch, each prompt prefilled once for its K samples (`share_prefill`; the same
+    distribution, computed once: `shared_prefix.generate`). With backend 'vllm', `model` is a `vllm_engine.Engine` (see vllm_engine.py).
     """
     _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
                 batch_size)
@@ -157,7 +160,10 @@ def generate(
                 enc = {k: v.repeat_interleave(n_gen, dim=0) for k, v in enc.items()}
                 seeds = [sample_seed(seed, keys[i], s) for i in idx for s in range(n_gen)]
                 extra["logits_processor"] = LogitsProcessorList([_RowSampler(seeds, temperature, top_p, top_k, min_p)])
-            out = model.generate(**enc, **gen_kwargs, **extra)
+            if share_prefill:  # a prompt's K sample rows prefilled once (shared_prefix.generate)
+                out = shared_prefix.generate(model.generate, model, **enc, **gen_kwargs, **extra)
+            else:
+                out = model.generate(**enc, **gen_kwargs, **extra)
             # Left padding: every row's prompt ends at the same column, so the completion starts there.
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for j, i in enumerate(idx):

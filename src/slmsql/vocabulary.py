@@ -92,6 +92,13 @@ VOCABULARY = [
     ("sampling/importance_sampling_ratio/<is stat>", ("grpo",),
      "`--backend vllm`, per step: min, mean and max of TRL's importance-sampling correction "
      "(exp of the gap, per sequence by default; `vllm_importance_sampling_*` trainer args)"),
+    ("shared_prefix/logp_max_abs_diff", ("grpo",),
+     "`--shared-prefix` (on by default), at the first step: the largest |log-prob, shared-prefix computation - the "
+     "plain path's| over one micro-batch's completion tokens, dropout off; over the dtype's tolerance the run falls "
+     "back to the plain path (tag `slmsql.shared_prefix` says which)"),
+    ("shared_prefix/token_ratio", ("grpo",),
+     "`--shared-prefix`, per step: tokens the plain path's training forward would compute (rows x width, padding "
+     "included) over the tokens the shared-prefix forward computed"),
     ("summary/<metric>", ("grpo",), "mean over the run's logged steps of `<metric>` (e.g. `summary/reward_std`, "
                                     "`summary/exec/frac_groups_correctness_varies`)"),
     ("<trl metric>", ("sft", "grpo"),

@@ -49,8 +49,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     from trl import GRPOConfig
 
     from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards,
-                    tables, tracking, training, vllm_engine, vllm_rollouts,
-                    wording)
+                    shared_prefix, tables, tracking, training, vllm_engine, vllm_rollouts, wording)
     from ..models import check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
     from ..prompts import builder_for
     from ..sandbox import Limits, SandboxPool
@@ -114,8 +113,12 @@ def main(cfg: GRPOStageConfig) -> dict:
         Trainer, hooks = grpo_variants.trainer_class(cfg)
         reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match, **hooks)
 
-        # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks
+        # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks; each
+        # prompt computed once per micro-batch and prefilled once (shared_prefix), its state in a tag
         training.compact_fused_head()
+        if cfg.shared_prefix:
+            Trainer = shared_prefix.trainer_class(
+                Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix.TAG, text)) if main else None)
         # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_rollouts)
         Trainer = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,

@@ -1,0 +1,165 @@
+"""GRPO seconds per step with the shared prefix on and off (`slmsql grpo --shared-prefix`), in one run, same work.
+
+Model and shape: SmolLM2-135M-Instruct by its Hub id at the SmolLM2 study's GRPO (recipes/smollm2-135m/grpo.yaml:
+LoRA r16 all-linear, gradient checkpointing, G = 4, 2 prompts a step, 64-token budget, compact prompts) on the toy
+world's first rl_source questions; `--prompt-style`, `--example-values` and `--num-generations` change the shape
+(2 prompts a step: the batch is 2 x G). Each arm runs the grpo stage itself (bench/grpo_backends.py's `run`) for
+`--warmup` + `--steps` steps, same seed; medians over the timed steps of step, generate and train (as grpo_backends
+defines them). Sampled completions differ between the arms after the first step (the prefill's float order), so
+the tokens each arm computed are reported beside its times, and the speed-ups are ratios of times per step.
+
+Tokens: per micro-batch the loss saw, `plain` = rows x width (what TRL's forward computes, padding included) and
+`shared` = the packed layout's tokens (shared_prefix.Packing); `token_ratio` = plain / shared, the bound a perfect
+implementation reaches on the training forward. FLOP floor: the weights' matmul FLOPs of the step (training
+forward 2NT + input-gradient backward 2NT + the checkpointing recompute 2NT, N the decoder's linear weights; the
+LM head 2Vd per scored or generated token, x3 in training; generation: the prefill of each distinct prompt and every
+decoded token) over this machine's measured fp32 GEMM rate at the same thread count: a floor, not a prediction
+(attention and everything else is left out).
+
+    flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py
+
+The last printed line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
+
+
+def gemm_rate(hidden: int, inner: int) -> float:
+    """This machine's best fp32 FLOP/s on a training-shaped matmul (512 tokens x hidden x inner)."""
+    import torch
+
+    a, b = torch.randn(512, hidden), torch.randn(hidden, inner)
+    best = float("inf")
+    for _ in range(20):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 512 * hidden * inner / best
+
+
+class Tokens:
+    """What the loss's micro-batches hold: rows x width, the packed layout's tokens, prompt and completion tokens."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def __call__(self, inputs):
+        import torch
+
+        from slmsql.shared_prefix import Packing
+
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        keep = inputs["completion_ids"].size(1)
+        packing = Packing.of(ids, mask, keep)
+        distinct = {tuple(r[m.bool()].tolist()) for r, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])}
+        self.steps.append({"plain": ids.numel(), "shared": packing.tokens if packing else ids.numel(),
+                           "prompt": int(inputs["prompt_mask"].sum()), "distinct_prompt": sum(map(len, distinct)),
+                           "completion": int(inputs["completion_mask"].sum()), "rows": ids.size(0)})
+
+
+def floor_seconds(t: dict, arm: str, shape: dict, rate: float, checkpointing: bool) -> dict:
+    """The weights' matmul FLOPs of one micro-batch for `arm`, over `rate` (module docstring)."""
+    n, head = shape["linear_params"], shape["vocab"] * shape["hidden"]
+    computed = t["shared"] if arm == "shared" else t["plain"]
+    train = (6 if checkpointing else 4) * n * computed + 3 * 2 * head * t["completion"]
+    prefill = t["distinct_prompt"] if arm == "shared" else t["prompt"]
+    generate = 2 * n * (prefill + t["completion"]) + 2 * head * t["completion"]
+    return {"train": train / rate, "generate": generate / rate}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (the shared arm's self-check)")
+    ap.add_argument("--recipe", type=Path, default=RECIPE)
+    ap.add_argument("--model", default="", help="another model than the recipe's (tests: a tiny one)")
+    ap.add_argument("--prompt-style", default="", help="compact or omnisql (default: the recipe's)")
+    ap.add_argument("--example-values", type=int, default=None, help="omnisql example values per column")
+    ap.add_argument("--num-generations", type=int, default=0, help="G (default: the recipe's); 2 prompts a step")
+    ap.add_argument("--arms", default="shared,plain")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    import transformers
+    import trl
+    from grpo_backends import run
+
+    from slmsql import configs, toyworld
+    from slmsql.models import load_tokenizer
+
+    overrides = {k: v for k, v in (("prompt_style", args.prompt_style), ("example_values", args.example_values))
+                 if v not in ("", None)}
+    if args.num_generations:
+        overrides.update(num_generations=args.num_generations, per_device_train_batch_size=2 * args.num_generations)
+    cfg = configs.load(configs.GRPOStageConfig, str(args.recipe), {**overrides,
+                                                                  **({"model": args.model} if args.model else {})})
+    checkpointing = bool(cfg.trainer_args.get("gradient_checkpointing"))
+    config = transformers.AutoConfig.from_pretrained(cfg.model)
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    linear = layers * (hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+                       + 3 * hidden * config.intermediate_size)
+    shape = {"linear_params": linear, "vocab": config.vocab_size, "hidden": hidden}
+    rate = gemm_rate(hidden, config.intermediate_size)
+    load_tokenizer(cfg.model)  # fail before any arm runs if the model is not there
+    results, tokens = {}, {}
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    with tempfile.TemporaryDirectory(prefix="slmsql-bench-grpo-prefix-") as tmp:
+        root = Path(tmp)
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
+        toyworld.generate(root / "toy", seed=0, size="small")
+        questions = (root / "toy" / "rl_source.jsonl").read_text().splitlines(keepends=True)
+        (root / "rl.jsonl").write_text("".join(questions[:64]))
+        print(f"{cfg.model}: G {cfg.num_generations}, {cfg.per_device_train_batch_size} completions a step, "
+              f"{cfg.max_completion_length}-token budget, {cfg.prompt_style} prompts ({cfg.example_values} example "
+              f"values), gradient checkpointing {checkpointing}; torch {torch.__version__} "
+              f"({torch.get_num_threads()} threads), trl {trl.__version__}; fp32 GEMM {rate / 1e9:.1f} GFLOP/s; "
+              f"{args.warmup} warm-up + {args.steps} timed steps per arm", flush=True)
+        for arm in arms:
+            counter = Tokens()
+            r = run(arm, {**overrides, "shared_prefix": arm == "shared"}, args, root, inputs_hook=counter)
+            timed = counter.steps[args.warmup:]  # one micro-batch per step at gradient_accumulation_steps 1
+            t = {k: round(statistics.median(s[k] for s in timed)) for k in timed[0]}
+            floor = floor_seconds(t, arm, shape, rate, checkpointing)
+            r.update(tokens=t, floor_train_s=round(floor["train"], 3), floor_generate_s=round(floor["generate"], 3))
+            results[arm], tokens[arm] = r, t
+            print(f"{arm:7s} step {r['step_s']:6.2f} s = generate {r['generate_s']:.2f} + score {r['score_s']:.2f} + "
+                  f"train {r['train_s']:.2f}; floor: train {r['floor_train_s']:.2f}, generate "
+                  f"{r['floor_generate_s']:.2f}; tokens/step: rows x width {t['plain']}, computed "
+                  f"{t['shared'] if arm == 'shared' else t['plain']}, prompt {t['prompt']} ({t['distinct_prompt']} "
+                  f"distinct), completion {t['completion']}", flush=True)
+    out = {"model": cfg.model, "num_generations": cfg.num_generations, "prompt_style": cfg.prompt_style,
+           "example_values": cfg.example_values, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+           "torch_threads": torch.get_num_threads(), "gemm_gflops": round(rate / 1e9, 1),
+           "warmup": args.warmup, "steps": args.steps, "arms": results}
+    if {"shared", "plain"} <= set(results):
+        s, p = results["shared"], results["plain"]
+        out.update(step_speedup=round(p["step_s"] / s["step_s"], 2), train_speedup=round(p["train_s"] / s["train_s"], 2),
+                   generate_speedup=round(p["generate_s"] / s["generate_s"], 2),
+                   token_ratio=round(tokens["shared"]["plain"] / tokens["shared"]["shared"], 2),
+                   shared_train_over_floor=round(s["train_s"] / s["floor_train_s"], 1))
+        print(f"shared / plain: step {out['step_speedup']}x, train {out['train_speedup']}x, generate "
+              f"{out['generate_speedup']}x; token ratio {out['token_ratio']}; shared train at "
+              f"{out['shared_train_over_floor']}x its floor")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
