@@ -1,5 +1,7 @@
 """Generation throughput: transformers vs vLLM on the same prompts, greedy and sampled (n = K), as filter and
-evaluate generate (generation.generate and vllm_engine.generate, the stages' own code paths).
+evaluate generate (generation.generate and vllm_engine.generate, the stages' own code paths); transformers' sampled
+rows also with each row prefilled on its own (`prefill_once_speedup`: what sharing a prompt's prefill saves, and
+`prefill_once_same_samples`: of the prompts, how many drew the same K samples both ways).
 
     python bench/generation.py --model outputs/sft                       # the demo's tiny policy
     python bench/generation.py --model HuggingFaceTB/SmolLM2-135M-Instruct --prompt-style compact
@@ -52,20 +54,30 @@ def main() -> None:
         cfg = configs.EvaluateConfig(data=str(world / "dev.jsonl"), db_root=str(world / "databases"),
                                      model=args.model, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, prompt_style=args.prompt_style)
-        modes = {"greedy": dict(k=1, temperature=0.0), "sampled": dict(k=args.k, temperature=0.8)}
+        # sampled_prefill_per_row: the same samples with each of a prompt's K rows prefilled on its own (what
+        # transformers' generate does); `sampled` prefills each prompt once (shared_prefix.generate)
+        modes = {"greedy": dict(k=1, temperature=0.0), "sampled": dict(k=args.k, temperature=0.8),
+                 "sampled_prefill_per_row": dict(k=args.k, temperature=0.8, share_prefill=False)}
         sampling = dict(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
         keys = [e.id for e in examples]
         result = {"model": args.model, "prompts": len(examples), "k": args.k, "max_new_tokens": args.max_new_tokens}
 
         model, tokenizer = models.load_model(args.model)
         prompts = generation.prompts_for(cfg, examples, tokenizer)
+        samples = {}
         for name, m in modes.items():
-            out, s = timed(lambda: generation.generate(
+            samples[name], s = timed(lambda: generation.generate(
                 model, tokenizer, prompts, num_return_sequences=m["k"], temperature=m["temperature"], **sampling,
-                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, keys=keys, progress=False))
-            result[f"transformers_{name}_tokens_per_s"] = round(tokens(tokenizer, out) / s, 1)
+                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, keys=keys, progress=False,
+                share_prefill=m.get("share_prefill", True)))
+            result[f"transformers_{name}_tokens_per_s"] = round(tokens(tokenizer, samples[name]) / s, 1)
             result[f"transformers_{name}_s"] = round(s, 2)
+        result["prefill_once_speedup"] = round(result["transformers_sampled_prefill_per_row_s"]
+                                               / result["transformers_sampled_s"], 2)
+        result["prefill_once_same_samples"] = sum(a == b for a, b in zip(samples["sampled"],
+                                                                         samples["sampled_prefill_per_row"]))
         del model
+        modes.pop("sampled_prefill_per_row")  # vLLM: one request of n = K per prompt either way
 
         try:
             from slmsql import vllm_engine

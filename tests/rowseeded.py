@@ -32,6 +32,7 @@ def row_seeded(original, group: int):
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         # Rows arrive grouped: each prompt repeated `group` times in a row, and every process's slice starts
         # at a group boundary (slmsql requires num_generations to divide the per-device batch).
+        kwargs.pop("cache", None)  # the batch's shared prefill (shared_prefix.generate): each row here runs alone
         rows = []
         for i in range(input_ids.size(0)):
             ids = input_ids[i][attention_mask[i].bool()][None]

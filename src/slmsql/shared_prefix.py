@@ -325,6 +325,7 @@ def trainer_class(trainer_cls, on_state=None):
         def _self_check(self, model, input_ids, attention_mask, logits_to_keep):
             """One micro-batch both ways, dropout off: the largest |log p| difference over its completion tokens,
             the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain path."""
+            model = self.accelerator.unwrap_model(model)  # no DDP wrapper: nothing here is synchronised
             was_training = model.training
             model.eval()  # dropout off: both computations see the same weights
             try:
