@@ -22,6 +22,9 @@ Arms (`--arms`, in this order):
            disable_compile=True, so cache_implementation="static" alone compiles nothing (which is why
            gpu-baseline.md saw no gain from it inside TRL). Auto-compile happens on CUDA only.
   vllm     recipe + use_vllm=True, vllm_mode="colocate" (needs vllm installed and CUDA).
+  shared   recipe + slmsql's shared-prefix training and prefill (`slmsql grpo --shared-prefix true`, the default
+           there; slmsql.shared_prefix): each prompt computed once per micro-batch. `recipe_over_shared_train` in the
+           JSON is the update step's speed-up (train seconds, recipe over shared).
   vllm-lora  recipe + slmsql's own vLLM rollouts (`slmsql grpo --backend vllm`, slmsql.vllm_rollouts): the LoRA
            saved after every step and served as a new LoRARequest; needs vllm (on a CPU: a head size >= 32).
 An arm that fails (say, out of memory) is reported with its error and the others still run; the exit
@@ -165,6 +168,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
         # On a CPU the recipe's `bf16: true` would put this arm alone in bf16 autocast: keep precision equal.
         **{"gradient_checkpointing": False, **device_args(), **extra, **device})
     patch = {"compile": " + static cache, compiled generate", "vllm": " + vLLM colocate",
+             "shared": " + shared prefix",
              "vllm-lora": " + slmsql vLLM rollouts (LoRA swap)"}.get(arm, "")
     return grpo, lora_config(cfg), f"{args.recipe.name} + {json.dumps(overrides)}{patch}", cfg
 
@@ -222,6 +226,10 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         model = build_model(args.shape, device, args.seed, model_path if arm == "vllm" else None)
         clock = Clock(cuda)
         trainer_cls = GRPOTrainer
+        if arm == "shared":  # as slmsql.stages.grpo.main builds it with --shared-prefix true
+            from slmsql import shared_prefix
+
+            trainer_cls = shared_prefix.trainer_class(GRPOTrainer)
         if arm == "vllm-lora":  # as slmsql.stages.grpo.main builds it for --backend vllm
             from slmsql import vllm_rollouts
 
@@ -279,7 +287,8 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="full" if cuda else "tiny")
-    ap.add_argument("--arms", default="plain,recipe", help="comma-separated: plain, recipe, compile, vllm, vllm-lora")
+    ap.add_argument("--arms", default="plain,recipe",
+                    help="comma-separated: plain, recipe, compile, shared, vllm, vllm-lora")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm")
     ap.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first (allocation, compile)")
     ap.add_argument("--prompts", type=int, help="prompts per step (default: 8)")
@@ -295,7 +304,7 @@ def main(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = sorted(set(arms) - {"plain", "recipe", "compile", "vllm", "vllm-lora"})
+    unknown = sorted(set(arms) - {"plain", "recipe", "compile", "shared", "vllm", "vllm-lora"})
     if unknown or not arms:
         ap.error(f"unknown arm(s) {unknown or args.arms!r}")
     if "vllm" in arms and not (cuda and importlib.util.find_spec("vllm")):
@@ -348,6 +357,8 @@ def main(argv=None):
     ok = [a for a in arms if a not in failed]
     ratios = {f"plain_over_{a}": round(results["plain"]["step_s"] / results[a]["step_s"], 3)
               for a in ok if a != "plain" and "plain" in ok}
+    if {"recipe", "shared"} <= set(ok):
+        ratios["recipe_over_shared_train"] = round(results["recipe"]["train_s"] / results["shared"]["train_s"], 3)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     figures = {

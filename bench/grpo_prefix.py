@@ -37,17 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
 
 
-def gemm_rate(hidden: int, inner: int) -> float:
-    """This machine's best fp32 FLOP/s on a training-shaped matmul (512 tokens x hidden x inner)."""
+def gemm_rate(hidden: int, inner: int, rows: int = 2048) -> float:
+    """This machine's best fp32 FLOP/s on a training-shaped matmul (rows x hidden x inner), after a warm-up (the
+    first calls start OpenMP's threads and were measured 4x slower here)."""
     import torch
 
-    a, b = torch.randn(512, hidden), torch.randn(hidden, inner)
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, inner)
+    for _ in range(10):
+        torch.mm(a, b)
     best = float("inf")
-    for _ in range(20):
+    for _ in range(50):
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
-    return 2 * 512 * hidden * inner / best
+    return 2 * rows * hidden * inner / best
 
 
 class Tokens:
@@ -137,7 +140,8 @@ def main(argv=None):
             timed = counter.steps[args.warmup:]  # one micro-batch per step at gradient_accumulation_steps 1
             t = {k: round(statistics.median(s[k] for s in timed)) for k in timed[0]}
             floor = floor_seconds(t, arm, shape, rate, checkpointing)
-            r.update(tokens=t, floor_train_s=round(floor["train"], 3), floor_generate_s=round(floor["generate"], 3))
+            r.update(tokens=t, floor_train_s=float(f"{floor['train']:.3g}"),
+                     floor_generate_s=float(f"{floor['generate']:.3g}"))
             results[arm], tokens[arm] = r, t
             print(f"{arm:7s} step {r['step_s']:6.2f} s = generate {r['generate_s']:.2f} + score {r['score_s']:.2f} + "
                   f"train {r['train_s']:.2f}; floor: train {r['floor_train_s']:.2f}, generate "
@@ -150,7 +154,8 @@ def main(argv=None):
            "warmup": args.warmup, "steps": args.steps, "arms": results}
     if {"shared", "plain"} <= set(results):
         s, p = results["shared"], results["plain"]
-        out.update(step_speedup=round(p["step_s"] / s["step_s"], 2), train_speedup=round(p["train_s"] / s["train_s"], 2),
+        out.update(step_speedup=round(p["step_s"] / s["step_s"], 2),
+                   train_speedup=round(p["train_s"] / s["train_s"], 2),
                    generate_speedup=round(p["generate_s"] / s["generate_s"], 2),
                    token_ratio=round(tokens["shared"]["plain"] / tokens["shared"]["shared"], 2),
                    shared_train_over_floor=round(s["train_s"] / s["floor_train_s"], 1))

@@ -136,3 +136,31 @@ def test_grpo_backends_bench_splits_each_backends_step(tmp_path):
         assert backend["steps"] == 2 and len(backend["step_s_all"]) == 2
         assert backend["step_s"] >= backend["generate_s"] > 0
     assert fig["backends"]["vllm"]["logp_gap_max"] < 1e-3 and fig["backends"]["transformers"]["logp_gap_max"] is None
+
+
+@pytest.mark.slow  # trains a tiny model 2 steps with the shared prefix on and 2 with it off
+def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
+    from slmsql.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=32, layers=1, heads=2, ffn=64)
+    fig = run_bench("grpo_prefix.py", "--model", str(model), "--steps", "1", "--warmup", "1", "--num-generations", "2")
+    assert set(fig["arms"]) == {"shared", "plain"} and fig["num_generations"] == 2
+    shared, plain = fig["arms"]["shared"], fig["arms"]["plain"]
+    for arm in (shared, plain):
+        assert arm["steps"] == 2 and arm["step_s"] >= arm["generate_s"] > 0
+        assert arm["tokens"]["rows"] == 4 and arm["floor_train_s"] > 0 and arm["floor_generate_s"] > 0
+    # the token counts are of the micro-batch the loss saw: the packed layout computes each prompt once
+    assert shared["tokens"]["shared"] < shared["tokens"]["plain"]
+    assert shared["tokens"]["distinct_prompt"] * 2 == shared["tokens"]["prompt"]  # 2 prompts x G = 2 each
+    assert fig["token_ratio"] == round(shared["tokens"]["plain"] / shared["tokens"]["shared"], 2) > 1
+    for key in ("step_speedup", "train_speedup", "generate_speedup"):
+        assert fig[key] > 0
+
+
+def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
+    """The GPU check's `shared` arm is the recipe arm with the shared-prefix trainer (what the grpo stage builds)."""
+    fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--arms", "recipe,shared")
+    assert fig["failed"] == [] and set(fig["arms"]) == {"recipe", "shared"}
+    assert fig["arms"]["shared"]["config"].endswith("+ shared prefix")
+    assert fig["ratios"]["recipe_over_shared_train"] > 0

@@ -443,8 +443,8 @@ def test_the_command_line_logs_the_self_check(policy, runs, tmp_path):
             "--max-completion-length", "24", "--max-steps", "1", "--workers", "1", "--lora-r", "4", "--lora-alpha", "8"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
     for flag in ("true", "false"):
-        done = subprocess.run([*base, "--shared-prefix", flag, "--output-dir", str(tmp_path / flag), "--run-name", flag],
-                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        done = subprocess.run([*base, "--shared-prefix", flag, "--output-dir", str(tmp_path / flag),
+                               "--run-name", flag], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
     with tracking_store(uri):
         runs_ = {r.info.run_name: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
