@@ -108,7 +108,8 @@ def generate(
     question ids; default: the prompt text), so it does not depend on the batch, the call, or what ran before.
     With the transformers backend, prompts are batched longest first (least padding), `batch_size` prompts
     (x K samples) per batch, each prompt prefilled once for its K samples (`share_prefill`; the same
-    distribution, computed once: `shared_prefix.generate`). With backend 'vllm', `model` is a `vllm_engine.Engine` (see vllm_engine.py).
+    distribution, computed once: `shared_prefix.generate`). With backend 'vllm', `model` is a
+    `vllm_engine.Engine` (see vllm_engine.py).
     """
     _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
                 batch_size)

@@ -14,7 +14,8 @@ Completion padding is dropped, not computed.
 
 Exact: each completion token's attention reads the same keys and values as on the plain path, and the prompt's
 activations are computed once, so their gradient is the sum over the segments that read them: the sum of the G
-copies' gradients on the plain path. Only the float summation order differs (`check` measures it).
+copies' gradients on the plain path. Only the float summation order differs (the trainer's first-step self-check
+measures it).
 
 `packed_logps` is the computation; `Packing.of` the layout; `trainer_class` puts it into TRL's GRPOTrainer, where
 every per-token log-prob TRL takes goes through one method (`_get_per_token_logps_and_entropies`: the policy's in
@@ -47,6 +48,15 @@ def _prefix_ones(mask: torch.Tensor) -> bool:
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> dict[tuple, list]:
+    """A micro-batch's rows by prompt (its unpadded tokens), in order of first appearance."""
+    plen = input_ids.size(1) - logits_to_keep
+    groups: dict[tuple, list[int]] = {}
+    for r in range(input_ids.size(0)):
+        groups.setdefault(tuple(input_ids[r, :plen][attention_mask[r, :plen].bool()].tolist()), []).append(r)
+    return groups
+
+
 @dataclass
 class Packing:
     """One micro-batch in the shared-prefix layout (module docstring).
@@ -75,9 +85,7 @@ class Packing:
         if plen < 1 or not _prefix_ones(prompt_mask.flip(1)) or not _prefix_ones(completion_mask) \
                 or not bool(prompt_mask[:, -1].all()):
             return None
-        groups: dict[tuple, list[int]] = {}
-        for r in range(input_ids.size(0)):
-            groups.setdefault(tuple(input_ids[r, :plen][prompt_mask[r].bool()].tolist()), []).append(r)
+        groups = prompt_groups(input_ids, attention_mask, logits_to_keep)
         lengths = completion_mask.sum(1).tolist()
         seqs, out = [], {"rows": [], "cols": [], "plain_rows": [], "plain_cols": []}
         for p, (prompt, members) in enumerate(groups.items()):
@@ -153,12 +161,8 @@ def packed_logps(model, packing: Packing, compute_entropy: bool = False):
 def chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int):
     """Row indices in chunks of at most `batch_size` rows that keep a prompt's rows together where they fit (TRL's
     `batch_size` bounds the rows forwarded at once)."""
-    plen = input_ids.size(1) - logits_to_keep
-    groups: dict[tuple, list[int]] = {}
-    for r in range(input_ids.size(0)):
-        groups.setdefault(tuple(input_ids[r, :plen][attention_mask[r, :plen].bool()].tolist()), []).append(r)
     out, current = [], []
-    for members in groups.values():
+    for members in prompt_groups(input_ids, attention_mask, logits_to_keep).values():
         for start in range(0, len(members), batch_size):
             part = members[start:start + batch_size]
             if current and len(current) + len(part) > batch_size:
