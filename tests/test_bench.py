@@ -164,3 +164,14 @@ def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     assert fig["failed"] == [] and set(fig["arms"]) == {"recipe", "shared"}
     assert fig["arms"]["shared"]["config"].endswith("+ shared prefix")
     assert fig["ratios"]["recipe_over_shared_train"] > 0
+
+
+def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_path):
+    from slmsql.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=32, layers=1, heads=2, ffn=64)
+    fig = run_bench("prefix_tolerance.py", "--model", str(model), "--dtypes", "float32", "--batches", "1")
+    f32 = fig["dtypes"]["float32"]
+    assert len(f32["shared"]) == len(f32["wrong_mask"]) == 1 and f32["tolerance"] == 1e-3
+    assert f32["shared"][0] <= 1e-4 < f32["wrong_mask"][0]  # even a random tiny model tells them apart

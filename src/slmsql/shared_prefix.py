@@ -37,8 +37,8 @@ TAG = "slmsql.shared_prefix"  # a run's tag: what --shared-prefix did (on, with 
 # The attention implementations that take a custom 4-D mask as transformers passes it (flash attention does not).
 MASKED_ATTENTION = ("sdpa", "eager")
 # The largest |log p(shared) - log p(plain)| the first step's self-check accepts, by the dtype the model computes
-# in. Measured on SmolLM2-135M on a CPU (bench/README.md, "grpo_prefix.py"; 3 micro-batches, prompts of 220-300
-# tokens, 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
+# in. Measured on SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens,
+# 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
 # output is rounded to 8 mantissa bits at other points; a wrong mask 2.4-6.4 in both. float16 (3 more mantissa
 # bits than bfloat16, not measured: slmsql refuses it on a CPU) gets half of bfloat16's.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 1.0, torch.float16: 0.5}
