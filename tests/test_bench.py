@@ -164,6 +164,8 @@ def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     assert fig["failed"] == [] and set(fig["arms"]) == {"recipe", "shared"}
     assert fig["arms"]["shared"]["config"].endswith("+ shared prefix")
     assert fig["ratios"]["recipe_over_shared_train"] > 0
+    assert fig["arms"]["shared"]["shared_prefix_logp_max_abs_diff"] <= 1e-3  # fp32 on a CPU
+    assert fig["arms"]["recipe"]["shared_prefix_logp_max_abs_diff"] is None
 
 
 def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_path):
