@@ -520,6 +520,8 @@ def test_small_sweep_cells_are_tagged_children_with_the_same_metric_names(small_
     cells = {(r.data.tags["slmsql.variant"], r.data.tags["slmsql.seed"]) for r in by_stage["grpo"]}
     assert cells == {(v, s) for v in ("runs_tier=0.1", "runs_tier=0.0") for s in ("0", "1")}
     assert len({frozenset(r.data.metrics) for r in by_stage["grpo"]}) == 1  # the compare view lines them up
+    # however long each cell ran (10 s sampling; a 2-step cell may take less): its system metrics are there
+    assert all("system/cpu_utilization_percentage" in r.data.metrics for r in by_stage["grpo"])
     evals = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] != "baseline"]
     assert len({frozenset(r.data.metrics) for r in evals}) == 1 and "vs_baseline/p" in evals[0].data.metrics
     [base] = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] == "baseline"]

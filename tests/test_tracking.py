@@ -74,3 +74,27 @@ def test_server_cli_passes_backend_store_uri(monkeypatch):
         assert seen["store"] == "x.db"
     finally:
         signal.signal(signal.SIGTERM, before)  # the CLI maps SIGTERM to Ctrl-C; not for pytest itself
+
+
+def test_every_run_that_samples_system_metrics_has_them_however_short(tmp_path, monkeypatch):
+    """A run's metric names do not depend on how long it ran: a stage run far shorter than the sampling interval
+    (an hour here) still gets its `system/*`, taken and logged as it ends, straight to the run (filter) and
+    through an outbox (sft, grpo)."""
+    import mlflow
+
+    from slmsql import configs, tracking
+    from slmsql.durable import Outbox
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "3600")
+    cfg = configs.load(configs.SFTStageConfig, None, {})
+    with tracking.stage_run("filter", cfg, system_metrics=True) as direct:
+        pass
+    with Outbox(tmp_path / "out.outbox", wait=60) as box, \
+            tracking.stage_run("sft", cfg, system_metrics=True, outbox=box) as boxed:
+        pass
+    client = mlflow.MlflowClient()
+    for run in (direct, boxed):
+        got = client.get_run(run.info.run_id)
+        assert got.info.status == "FINISHED"
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(got.data.metrics)
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [0]

@@ -393,10 +393,16 @@ def refused(folder) -> list[str]:
     return [f"run {e['record']['run']}: {e['reason']}" for e in lines]
 
 
-def system_metrics_sampler(outbox: Outbox, run_id: str, resume: bool):
+def system_metrics_sampler(outbox: Outbox | None, run_id: str, resume: bool):
     """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
     samples logged through `outbox` and nothing asked of the server after it starts (its `monitor` loop, less the
-    server call at every sample; mlflow 3.17.2, pinned). `resume`: step on from the run's last `system/*` step."""
+    server call at every sample; mlflow 3.17.2, pinned); without an outbox, straight to the run (MLflow's own
+    batch logger). `resume`: step on from the run's last `system/*` step.
+
+    Every run gets `system/*`, however short: at `finish` the samples since the last one published (the one at
+    the interval's start, and one more taken then) are published, where MLflow's own loop drops them. A run's
+    metric names must not depend on how long it ran: a sweep's cells are compared side by side by name, and a
+    test of a short run would otherwise see `system/*` on one machine and not on a faster one."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
@@ -410,15 +416,18 @@ def system_metrics_sampler(outbox: Outbox, run_id: str, resume: bool):
 
     class Sampler(SystemMetricsMonitor):
         def monitor(self):
-            while not self._shutdown_event.is_set():
+            while True:  # at least one sample, even when the run ends before the loop starts
                 for _ in range(self.samples_before_logging):
                     self.collect_metrics()
                     if self._shutdown_event.wait(self.sampling_interval):
+                        self.collect_metrics()  # CPU %: the share since the sample before, up to the end
+                        self.publish_metrics(self.aggregate_metrics())
                         return
                 self.publish_metrics(self.aggregate_metrics())
 
     sampler = Sampler(run_id, resume_logging=resume)
-    sampler.mlflow_logger = ToOutbox()
+    if outbox is not None:
+        sampler.mlflow_logger = ToOutbox()
     return sampler
 
 

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import distributed
+from . import distributed, durable
 from .data import write_json
 from .errors import SlmsqlError
 
@@ -46,9 +46,10 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
     """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
-    that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
-    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages
-    (with an outbox, through it: durable.system_metrics_sampler).
+    that artifact's run URI (`param_value`). `system_metrics`: MLflow's sampler takes CPU, memory (and GPU
+    where pynvml is installed) every 10 s as `system/*` metrics, and once more at the run's end, so every such run
+    has them however short it was; for the long training and sampling stages (with an outbox, through it:
+    durable.system_metrics_sampler).
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
@@ -76,7 +77,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
-                              nested=nested, log_system_metrics=system_metrics and outbox is None,
+                              nested=nested, log_system_metrics=False,  # our sampler (durable.py) instead
                               tags=None if run_id else source_tags(f"slmsql {stage}")) as run:
             if not run_id:
                 drop_local_remote(run)
@@ -91,7 +92,15 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
                 mlflow.log_params(new)
             send(run.info.run_id)
             if outbox is None:
-                yield run
+                sampler = None
+                if system_metrics:
+                    sampler = durable.system_metrics_sampler(None, run.info.run_id, resume=run_id is not None)
+                    sampler.start()
+                try:
+                    yield run
+                finally:
+                    if sampler is not None:
+                        sampler.finish()  # its last sample, before the run ends
                 return
             outbox.start(run.info.run_id, system_metrics=system_metrics, resume=run_id is not None)
             try:
