@@ -93,7 +93,7 @@ class Outbox:
         self._thread: threading.Thread | None = None
         self._models: list[str] = []  # LoggedModels finalized with the run's end (track_model)
         self._refused = 0  # records the server refused, set aside (set_aside)
-        self._monitor = None  # the system-metrics sampler (system_metrics_sampler), when the stage asked for one
+        self._monitor = None  # the system-metrics sampler (tracking.system_metrics_sampler), when asked for
 
     def send_earlier(self) -> None:
         """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
@@ -123,6 +123,8 @@ class Outbox:
             self._thread = threading.Thread(target=self._send_loop, name="slmsql-outbox", daemon=True)
             self._thread.start()
         if system_metrics:
+            from .tracking import system_metrics_sampler
+
             self._monitor = system_metrics_sampler(self, run_id, resume)
             self._monitor.start()
 
@@ -391,44 +393,6 @@ def refused(folder) -> list[str]:
         return []
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [f"run {e['record']['run']}: {e['reason']}" for e in lines]
-
-
-def system_metrics_sampler(outbox: Outbox | None, run_id: str, resume: bool):
-    """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
-    samples logged through `outbox` and nothing asked of the server after it starts (its `monitor` loop, less the
-    server call at every sample; mlflow 3.17.2, pinned); without an outbox, straight to the run (MLflow's own
-    batch logger). `resume`: step on from the run's last `system/*` step.
-
-    Every run gets `system/*`, however short: at `finish` the samples since the last one published (the one at
-    the interval's start, and one more taken then) are published, where MLflow's own loop drops them. A run's
-    metric names must not depend on how long it ran: a sweep's cells are compared side by side by name, and a
-    test of a short run would otherwise see `system/*` on one machine and not on a faster one."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
-        data = ()
-
-        def record_metrics(self, metrics, step):
-            outbox.log_metrics(metrics, step)
-
-        def flush(self):
-            pass
-
-    class Sampler(SystemMetricsMonitor):
-        def monitor(self):
-            while True:  # at least one sample, even when the run ends before the loop starts
-                for _ in range(self.samples_before_logging):
-                    self.collect_metrics()
-                    if self._shutdown_event.wait(self.sampling_interval):
-                        self.collect_metrics()  # CPU %: the share since the sample before, up to the end
-                        self.publish_metrics(self.aggregate_metrics())
-                        return
-                self.publish_metrics(self.aggregate_metrics())
-
-    sampler = Sampler(run_id, resume_logging=resume)
-    if outbox is not None:
-        sampler.mlflow_logger = ToOutbox()
-    return sampler
 
 
 def end_locally(run_id: str) -> None:

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import distributed, durable
+from . import distributed
 from .data import write_json
 from .errors import SlmsqlError
 
@@ -49,7 +49,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
     that artifact's run URI (`param_value`). `system_metrics`: MLflow's sampler takes CPU, memory (and GPU
     where pynvml is installed) every 10 s as `system/*` metrics, and once more at the run's end, so every such run
     has them however short it was; for the long training and sampling stages (with an outbox, through it:
-    durable.system_metrics_sampler).
+    system_metrics_sampler).
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
@@ -77,7 +77,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
-                              nested=nested, log_system_metrics=False,  # our sampler (durable.py) instead
+                              nested=nested, log_system_metrics=False,  # our sampler instead (system_metrics_sampler)
                               tags=None if run_id else source_tags(f"slmsql {stage}")) as run:
             if not run_id:
                 drop_local_remote(run)
@@ -94,7 +94,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             if outbox is None:
                 sampler = None
                 if system_metrics:
-                    sampler = durable.system_metrics_sampler(None, run.info.run_id, resume=run_id is not None)
+                    sampler = system_metrics_sampler(None, run.info.run_id, resume=run_id is not None)
                     sampler.start()
                 try:
                     yield run
@@ -109,6 +109,44 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
                 outbox.end_run("FAILED")
                 raise
             outbox.end_run("FINISHED")
+
+
+def system_metrics_sampler(outbox, run_id: str, resume: bool):
+    """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
+    samples logged through `outbox` (a durable.Outbox) and nothing asked of the server after it starts (its
+    `monitor` loop, less the server call at every sample; mlflow 3.17.2, pinned); without an outbox, straight to
+    the run (MLflow's own batch logger). `resume`: step on from the run's last `system/*` step.
+
+    Every run gets `system/*`, however short: at `finish` the samples since the last one published (the one at
+    the interval's start, and one more taken then) are published, where MLflow's own loop drops them. A run's
+    metric names must not depend on how long it ran: a sweep's cells are compared side by side by name, and a
+    test of a short run would otherwise see `system/*` on one machine and not on a faster one."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
+        data = ()
+
+        def record_metrics(self, metrics, step):
+            outbox.log_metrics(metrics, step)
+
+        def flush(self):
+            pass
+
+    class Sampler(SystemMetricsMonitor):
+        def monitor(self):
+            while True:  # at least one sample, even when the run ends before the loop starts
+                for _ in range(self.samples_before_logging):
+                    self.collect_metrics()
+                    if self._shutdown_event.wait(self.sampling_interval):
+                        self.collect_metrics()  # CPU %: the share since the sample before, up to the end
+                        self.publish_metrics(self.aggregate_metrics())
+                        return
+                self.publish_metrics(self.aggregate_metrics())
+
+    sampler = Sampler(run_id, resume_logging=resume)
+    if outbox is not None:
+        sampler.mlflow_logger = ToOutbox()
+    return sampler
 
 
 # --- where a run came from, without a folder of this machine ---------------------------------------------------
