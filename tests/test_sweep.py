@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_env import require
 from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 from scipy import stats as scipy_stats
@@ -554,9 +555,9 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
 
 # ---- make study-headroom: its command plans the table the README reports --------------------------------
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def _make_sweep_plan(target: str, tmp_path, monkeypatch):
     """The plan of the sweep `make TARGET` runs (its files stood in by empty ones), and its other commands."""
+    require(shutil.which("make") is not None, "make", "Debian's build-essential or make package; .ci/run runs make")
     repo = Path(__file__).resolve().parents[1]
     dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), target, "BIN=bin", "VENV=venv"],
                          capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
