@@ -74,7 +74,7 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             outbox.send_earlier()
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
-            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+            set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
                               nested=nested, log_system_metrics=False,  # our sampler instead (system_metrics_sampler)
@@ -147,6 +147,22 @@ def system_metrics_sampler(outbox, run_id: str, resume: bool):
     if outbox is not None:
         sampler.mlflow_logger = ToOutbox()
     return sampler
+
+
+def set_experiment(name: str):
+    """mlflow.set_experiment, less its export of MLFLOW_EXPERIMENT_ID to this process's environment: an id of this
+    store, which every process started later would inherit (a `mlflow run` or a stage in another store then
+    refuses it, or logs to the wrong experiment). This process keeps the experiment as its active one."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    try:
+        return mlflow.set_experiment(name)
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+        else:
+            os.environ["MLFLOW_EXPERIMENT_ID"] = before
 
 
 # --- where a run came from, without a folder of this machine ---------------------------------------------------
