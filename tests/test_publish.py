@@ -163,7 +163,17 @@ def world(tmp_path_factory):
                        {"report": sweep_dir})
     # the SFT run that wrote that checkpoint (found by its --output-dir): the pushed base's card cites it
     ids["sft"] = run("sft", SFTStageConfig(model=BASE, output_dir=str(policy), data="toy/sft.jsonl", max_steps=300),
-                     {"slmsql.model": BASE, "slmsql.policy_kind": "full"}, {"steps": 300, "train_loss": 0.125}, {})
+                     {"slmsql.model": BASE, "slmsql.policy_kind": "full"}, {"steps": 300, "train_loss": 0.125},
+                     {"policy": policy})
+    # as the pipeline trains: GRPO on that SFT policy named by its run artifact URI (fetched to from-runs/<id>/policy)
+    by_uri = f"runs:/{ids['sft']}/policy"
+    uri_adapter = shutil.copytree(adapter, root / "uri-adapter")
+    fetched = root / "from-runs" / ids["sft"] / "policy"
+    (uri_adapter / "adapter_config.json").write_text(json.dumps({**conf, "base_model_name_or_path": str(fetched)}))
+    ids["uri_grpo"] = run("grpo", dataclasses.replace(grpo_cfg, model=by_uri, base_adapter=""),
+                          {"slmsql.model": by_uri, "slmsql.base_adapter": "", "slmsql.adapter_mode": "none"},
+                          summary, {"adapter": uri_adapter})
+    ids["uri_eval"] = evaluate("toy-dev", "outputs/grpo/adapter", bird_a, model=by_uri)
     return {"root": root, "adapter": adapter, "ids": ids, "db": root / "template.db"}
 
 
@@ -246,10 +256,21 @@ def section(text: str, title: str) -> str:
     return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
+@pytest.fixture
+def loads(monkeypatch):
+    """Every model slmsql loads in this process (MLflow's check of an input example loads the logged one)."""
+    from slmsql import models
+
+    loaded, load = [], models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded.append(a) or load(*a, **k))
+    return loaded
+
+
+def test_dry_run_writes_exactly_the_folder(store, world, tmp_path, loads):
     from slmsql.stages.publish import main
 
     result = main(config(store, tmp_path, dry_run=True))
+    assert loads == []  # nothing loaded to check the model: its base may be minutes of Hub retries away offline
     out = tmp_path / "out"
     adapter_files = {p.name for p in world["adapter"].iterdir()}
     assert {p.name for p in out.iterdir()} == adapter_files | {"README.md"} == set(result["files"])
@@ -267,20 +288,27 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path):
 
     client = mlflow.MlflowClient()
     assert "slmsql.hub_url" not in client.get_run(store["grpo"]).data.tags
-    # --dry-run skips the push only: the written folder is the registered candidate's adapter, tagged as not pushed
-    version = client.get_model_version_by_alias("tiny-grpo", "candidate")
+    # --dry-run pushes nothing: the written folder is the adapter of a version aliased dry-run (not candidate),
+    # tagged as not pushed, its model a LoggedModel of its own
+    version = client.get_model_version_by_alias("tiny-grpo", "dry-run")
+    assert client.get_registered_model("tiny-grpo").aliases == {"dry-run": version.version}
     assert version.source == result["text2sql_model"] and version.run_id == store["grpo"]
+    logged = client.get_logged_model(version.source.removeprefix("models:/"))
+    assert logged.name == "text2sql-dry-run" and logged.tags["slmsql.dry_run"] == "true"
     assert {k: version.tags.get(k) for k in ("hub_repo", "pushed", "hub_url", "hub_commit")} == {
         "hub_repo": REPO, "pushed": "no (publish --dry-run)", "hub_url": None, "hub_commit": None}
     local = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
-    pyfunc = mlflow.models.Model.load(str(local)).flavors["python_function"]
+    meta = mlflow.models.Model.load(str(local))
+    pyfunc = meta.flavors["python_function"]
     assert pyfunc["config"]["base_model"] == BASE and pyfunc["config"]["prompt_style"] == "compact"
+    assert meta.signature.inputs.input_names() == ["question", "schema", "db_path", "evidence"]
     for name in out.iterdir():
         assert (local / pyfunc["artifacts"]["adapter"]["path"] / name.name).read_bytes() == name.read_bytes()
     publish = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0]
     assert publish.data.tags["slmsql.stage"] == "publish" and "hub_new_commit" not in publish.data.metrics
     assert publish.data.tags["mlflow.note.content"] == (
-        f"Model card for {REPO} written, not pushed (dry run); registered as tiny-grpo version {version.version}. "
+        f"Model card for {REPO} written, not pushed (dry run); registered as tiny-grpo version {version.version} "
+        "(@dry-run). "
         f"From GRPO run {store['grpo']} and 2 evaluation run(s).")
     card_artifact = mlflow.artifacts.download_artifacts(run_id=publish.info.run_id, artifact_path="card/README.md",
                                                         dst_path=str(tmp_path / "dl"))
@@ -399,7 +427,7 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
                                     "tags.`slmsql.stage` = 'publish'")
     assert publish.data.tags["mlflow.note.content"].startswith(
         f"Model card for {REPO} pushed to {hub.url}/{REPO} (commit {result['hub_commit'][:10]}); "
-        f"registered as tiny-grpo version {version.version}.")
+        f"registered as tiny-grpo version {version.version} (@candidate).")
 
     assert_token_nowhere(hub, (tmp_path, world["root"]), caplog.text)
 
@@ -512,6 +540,7 @@ def test_no_token_fails_before_any_request(store, hub, tmp_path):
     (dict(filter_run="sft_bird"), "expected 'filter'"),
     (dict(eval_runs=""), "--eval-runs"),
     (dict(alias="v3"), "reserved"),
+    (dict(alias="dry-run"), "--alias dry-run: the alias of dry runs' versions"),
     (dict(sweep_run="filter"), "has stage 'filter', expected 'sweep'"),
     (dict(sweep_run="sweep", grpo_run="local_grpo"), "is not a cell of sweep run"),
     (dict(base_repo="stub-user/tiny-sft"), "is on the Hub already; --base-repo is for a local base"),
@@ -627,18 +656,15 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
     import mlflow
 
     assert mlflow.MlflowClient().search_registered_models() == []
-    # with --base-repo, as `make demo` runs it (in a process of its own, by the CLI): the candidate holds the
-    # local base's weights, nothing is sent
+    # with --base-repo (in a process of its own, by the CLI): still no model, as it would have to copy the base, a
+    # folder of this machine, into MLflow (the push holds it); nothing sent
     dry = config(store, tmp_path, dry_run=True, base_repo=BASE_REPO, **local)
     proc = subprocess.run([sys.executable, "-m", "slmsql.cli", *cli_args(dry), "--base-repo", BASE_REPO,
                            "--dry-run", "--overwrite"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    version = mlflow.MlflowClient().get_model_version_by_alias("tiny-grpo", "candidate")
-    assert version.run_id == store["local_grpo"] and version.tags["base_repo"] == BASE_REPO
-    assert "base_commit" not in version.tags and "pushed" in version.tags
-    model_dir = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
-    policy = world["root"] / "sft-policy"
-    assert all((model_dir / "artifacts/tiny-sft" / p.name).read_bytes() == p.read_bytes() for p in policy.iterdir())
+    assert "no text2sql model and no registry version in a dry run" in proc.stderr
+    assert mlflow.MlflowClient().search_registered_models() == []
+    assert (tmp_path / "out" / "base" / "README.md").is_file()  # the folder a push would send, written
 
     assert hub.requests == []
     monkeypatch.setenv("HF_TOKEN", hub.token)
@@ -843,3 +869,84 @@ def test_reproduce_command_prints_only_what_differs_from_the_defaults():
     lines = command("grpo", params).split(" \\\n    ")
     assert lines[0] == "slmsql grpo"
     assert sorted(lines[1:]) == ["--data 'my band.jsonl'", "--max-steps 40", "--trainer-args warmup_ratio=0.1"]
+
+
+def test_dry_run_names_a_base_that_is_a_run_artifact_and_copies_none(store, world, tmp_path, loads):
+    """As `make demo` runs it: the GRPO run's base is the SFT run's artifact (runs:/<sft run>/policy) and
+    --base-repo names where a push would put it. The dry run's model names that artifact, holds none of its weights,
+    and, loaded by its alias, fetches it and answers (the adapter's base is the repo's name, as pushed)."""
+    import mlflow
+    import pandas as pd
+
+    from slmsql.stages.publish import main
+
+    result = main(config(store, tmp_path, grpo_run=store["uri_grpo"], eval_runs=store["uri_eval"], filter_run="",
+                         base_repo=BASE_REPO, dry_run=True))
+    assert loads == []
+    client = mlflow.MlflowClient()
+    version = client.get_model_version_by_alias("tiny-grpo", "dry-run")
+    assert version.source == result["text2sql_model"] and version.tags["base_repo"] == BASE_REPO
+    model_dir = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
+    pyfunc = mlflow.models.Model.load(str(model_dir)).flavors["python_function"]
+    assert set(pyfunc["artifacts"]) == {"adapter"} and not (model_dir / "artifacts" / "tiny-sft").exists()
+    assert pyfunc["config"]["base_uri"] == f"runs:/{store['sft']}/policy" and pyfunc["config"]["base_model"] is None
+    weights = {p.name for p in (world["root"] / "sft-policy").glob("*.safetensors")}
+    assert weights and not any(p.name in weights for p in model_dir.rglob("*.safetensors"))
+    served = mlflow.pyfunc.load_model("models:/tiny-grpo@dry-run").predict(pd.DataFrame(
+        [{"question": "How many items cost more than 2?", "schema": "CREATE TABLE item (id INTEGER, price REAL)"}]))
+    assert list(served.columns) == ["sql", "completion"] and len(served) == 1
+    assert [Path(a[0]).name for a in loads] == ["tiny-sft"]  # the fetched base, named as the pushed repo
+
+
+def test_a_dry_run_takes_nothing_a_push_made(store, hub, tmp_path, monkeypatch):
+    """Dry run, push, dry run, on a GRPO run with its policy's LoggedModel (as `slmsql grpo` makes it), which holds
+    the EX of its evaluations. The push fills that model and takes --alias (candidate): run -> policy model (with
+    its EX) -> registered version. Neither dry run takes the policy's model or the alias; each gets its own model
+    and the alias dry-run (the second reuses the first's)."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    from slmsql import lineage
+    from slmsql.stages.publish import main
+
+    client = mlflow.MlflowClient()
+    policy = lineage.start_policy_model(store["grpo"], "grpo", "adapter")
+    client.finalize_logged_model(policy, LoggedModelStatus.READY)
+    for name, dataset in (("grpo_bird", "bird"), ("grpo_spider", "spider")):  # as evaluate logs EX to the model
+        ex = client.get_run(store[name]).data.metrics["ex"]
+        client.log_metric(store[name], "ex", ex, model_id=policy, dataset_name=dataset, dataset_digest="d" + dataset)
+    ex = {m.dataset_name: m.value for m in client.get_logged_model(policy).metrics if m.key == "ex"}
+
+    first = main(config(store, tmp_path, dry_run=True))
+    assert first["text2sql_model"] != f"models:/{policy}" and first["alias"] == "dry-run"
+    assert "slmsql.fingerprint" not in client.get_logged_model(policy).tags  # the policy's model: untouched
+
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    pushed = main(config(store, tmp_path, overwrite=True))
+    assert pushed["text2sql_model"] == f"models:/{policy}" and pushed["alias"] == "candidate"
+    candidate = client.get_model_version_by_alias("tiny-grpo", "candidate")
+    assert candidate.source == f"models:/{policy}" and candidate.run_id == store["grpo"]
+    assert client.get_run(store["grpo"]).data.tags[lineage.MODEL_TAG] == policy
+    model = client.get_logged_model(policy)
+    assert {m.dataset_name: m.value for m in model.metrics if m.key == "ex"} == ex == {
+        "bird": pytest.approx(54 / 149), "spider": pytest.approx(166 / 200)}
+    assert "MLmodel" in {f.path for f in client.list_logged_model_artifacts(policy)}
+
+    second = main(config(store, tmp_path, dry_run=True, overwrite=True))
+    assert second["text2sql_model"] == first["text2sql_model"] and second["model_version"] == first["model_version"]
+    aliases = client.get_registered_model("tiny-grpo").aliases
+    assert {k: int(v) for k, v in aliases.items()} == {"candidate": int(candidate.version),
+                                                        "dry-run": first["model_version"]}
+    assert client.get_model_version("tiny-grpo", candidate.version).tags["hub_commit"] == pushed["hub_commit"]
+
+
+def test_cli_help_says_what_a_dry_run_does():
+    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "publish", "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "300"})
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "push nothing;" not in text.lower()
+    for words in ("Push nothing to the Hub", "a LoggedModel of its own (never the GRPO policy's",
+                  "the alias 'dry-run' (never --alias)", "not loaded to check it", "no local base is copied into "
+                  "MLflow", "Registry alias for the pushed version (a dry run's takes 'dry-run')"):
+        assert words in text, words

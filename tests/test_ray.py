@@ -20,6 +20,7 @@ for this process and every Ray process it starts. Authentication: a token made f
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -44,16 +45,24 @@ from slmsql import configs
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
-if "ray" not in sys.modules:  # before the first `import ray` of this process, which reads them
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
-                      RAY_AUTH_TOKEN=secrets.token_hex(32))
-try:
-    import ray
-except ImportError:
+if importlib.util.find_spec("ray") is None:
     if in_ci():
         pytest.fail("Ray is not installed; under CI this module must run (.ci/run installs the ray extra)",
                     pytrace=False)
     pytest.skip("Ray is not installed (pip install -e '.[ray]')", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_environment():
+    """Ray's settings for this module's tests and every Ray process they start (module docstring), set while
+    they run and taken back after: not for the whole session, as setting them when the module is collected did
+    (every later test, and every process it started, ran with this module's token). Set before this module
+    first imports ray, which reads them (`import ray` happens in the tests, not at collection)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                           "RAY_AUTH_TOKEN": secrets.token_hex(32)}.items():
+            mp.setenv(key, value)
+        yield
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("band.jsonl", "passrates.jsonl", "summary.json")
@@ -186,11 +195,12 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         head.terminate()  # `ray start --block` stops its cluster on SIGTERM (the leader only: it drains first)
         with contextlib.suppress(subprocess.TimeoutExpired):
             head.wait(timeout=60)
-        for p in session_processes(head.pid):  # whatever did not stop in time
+        stragglers = session_processes(head.pid)
+        for p in stragglers:  # whatever did not stop in time
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        time.sleep(1)
-        left = [p.pid for p in session_processes(head.pid)]
+        _, alive = psutil.wait_procs(stragglers, timeout=60)  # gone, or a minute passed: then named below
+        left = [p.pid for p in alive] + [p.pid for p in session_processes(head.pid) if p not in stragglers]
         shutil.rmtree(temp, ignore_errors=True)
     assert head.returncode is not None and not left, f"cluster processes left: {left}"
 
@@ -199,6 +209,8 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
 
 @pytest.fixture(scope="module")
 def local_ray():
+    import ray
+
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     ctx = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
     yield ctx.address_info["gcs_address"]
@@ -243,7 +255,7 @@ def left_holding(root: Path, wait_s: float = 60) -> list[int]:
         time.sleep(1)
 
 
-def _ray_children(names: tuple[str, ...]) -> dict[str, psutil.Process]:
+def _ray_children(names: tuple[str, ...]) -> dict[str, list[psutil.Process]]:
     """This process's Ray actor processes running our map_batches classes, by class name."""
     found = {}
     for p in psutil.Process().children(recursive=True):
@@ -251,40 +263,63 @@ def _ray_children(names: tuple[str, ...]) -> dict[str, psutil.Process]:
             title = " ".join(p.cmdline())
             for name in names:
                 if title.startswith(f"ray::MapWorker(MapBatches({name}))"):
-                    found.setdefault(name, p)
+                    found.setdefault(name, []).append(p)
     return found
 
 
 @pytest.mark.slow
 def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(policy, reference, local_ray,
                                                                            tmp_path):
-    """SIGKILL the scoring actor while it scores its first batch (its sandbox pool has started: the actor has
-    children; no row is back yet), and the generation actor with it. Ray restarts both and retries their
-    batches (with max_restarts=0 the run fails instead); the output is the local engine's, each question once
-    (the driver refuses a question twice)."""
+    """SIGKILL this run's scoring actor once it scores (its sandbox pool has started: the actor has children),
+    and its generation actor with it, before the driver has written a row: the driver's first write waits for
+    the kill (an event, not a race between a poll and the run). Ray restarts both and retries their batches
+    (with max_restarts=0 the run fails instead); the output is the local engine's, each question once (the
+    driver refuses a question twice). Actors an earlier test's run left in the shared Ray are not this run's:
+    they are not the ones killed."""
+    from slmsql import engines
+
     data, ref, ref_metrics = reference
     partial = tmp_path / "out.partial" / "passrates.jsonl"
-    killed, at_kill = {}, []
+    killed, at_kill, struck = {}, [], threading.Event()
+    earlier = {p.pid for procs in _ray_children(("_Generate", "_Score")).values() for p in procs}
+
+    def ours(actors):
+        return {name: [p for p in procs if p.pid not in earlier] for name, procs in actors.items()}
 
     def strike():
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            actors = _ray_children(("_Generate", "_Score"))
+        while True:
+            actors = {name: procs[0] for name, procs in ours(_ray_children(("_Generate", "_Score"))).items() if procs}
             with contextlib.suppress(psutil.Error):
                 if "_Score" in actors and actors["_Score"].children():
                     break
+            if time.monotonic() > deadline:
+                return  # the driver's wait below fails, saying so
             time.sleep(0.01)
         at_kill.append(lines(partial))
         for name, proc in actors.items():
             proc.kill()
             killed[name] = proc.pid
+        struck.set()
+
+    run = engines.run
+
+    def run_after_the_kill(work, examples, on_rows, **kwargs):
+        def first_waits(items):
+            if not struck.wait(300):
+                raise AssertionError("the scoring actor never started scoring in 300 s: nothing was killed")
+            on_rows(items)
+
+        return run(work, examples, first_waits, **kwargs)
 
     striker = threading.Thread(target=strike, daemon=True)
     striker.start()
-    run_filter(policy, data, tmp_path / "out", **RAY_OPTS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engines, "run", run_after_the_kill)
+        run_filter(policy, data, tmp_path / "out", **RAY_OPTS)
     striker.join(timeout=5)
     assert set(killed) == {"_Generate", "_Score"}, killed
-    assert at_kill == [0], f"{at_kill} rows were back when the kill landed: the first batch was not in flight"
+    assert at_kill == [0] and not set(killed.values()) & earlier
     assert not any(psutil.pid_exists(pid) for pid in killed.values())
     same_outputs(tmp_path / "out", ref)
     _, run = the_run()

@@ -26,6 +26,7 @@ from ci_env import in_ci
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
 REPO = "stub-user/smollm2-toy-grpo"
+PINNED = Path(__file__).resolve().parent / "pinned_cli.py"  # the CLI with some samples pinned (scripted.pin)
 
 
 def _in_cache() -> bool:
@@ -48,9 +49,9 @@ def stages(tmp_path_factory):
     for var in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "HF_TOKEN"):
         env.pop(var, None)
 
-    def slmsql(stage, *args, recipe=True, extra_env=None, out=None):
-        cmd = [sys.executable, "-m", "slmsql.cli", stage, *args, "--output-dir", str(root / (out or stage)),
-               "--overwrite"]
+    def slmsql(stage, *args, recipe=True, extra_env=None, out=None, pins=None):
+        cli = [sys.executable, "-m", "slmsql.cli"] if pins is None else [sys.executable, str(PINNED), str(pins)]
+        cmd = [*cli, stage, *args, "--output-dir", str(root / (out or stage)), "--overwrite"]
         if recipe:
             cmd += ["--recipe", str(RECIPES / f"{stage}.yaml")]
         done = subprocess.run(cmd, cwd=root, env={**env, **(extra_env or {})}, capture_output=True, text=True,
@@ -68,8 +69,15 @@ def stages(tmp_path_factory):
     runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "3",
                           "--per-device-train-batch-size", "4", "--trainer-args", "gradient_checkpointing=true")}
     sft_out = str(root / "sft")
+    # the filter refuses an empty band (its data check), and which of 8 questions a 3-step SFT adapter gets
+    # right 1-3 times of 4 is the model's floats' business: one question's samples are pinned to 2 of 4 right
+    first = json.loads(rl.read_text().splitlines()[0])
+    right, wrong = f"```sql\n{first['sql']}\n```", "```sql\nSELECT 'pinned' AS wrong\n```"
+    pins = root / "pins.json"
+    pins.write_text(json.dumps({"completions": {first["id"]: [right, wrong, right, wrong]}}))
     runs["filter"] = slmsql("filter", "--model", MODEL, "--adapter", sft_out, "--data",
-                            str(world / "rl_source.jsonl"), *dbs, "--limit", "8", "--k", "4", "--workers", "1")
+                            str(world / "rl_source.jsonl"), *dbs, "--limit", "8", "--k", "4", "--workers", "1",
+                            pins=pins)
     runs["grpo"] = slmsql("grpo", "--model", MODEL, "--base-adapter", sft_out, "--adapter-mode", "continue",
                           "--data", str(rl), *dbs, "--max-steps", "3", "--num-generations", "4",
                           "--per-device-train-batch-size", "8", "--save-steps", "3", "--workers", "1",
@@ -118,6 +126,7 @@ def test_every_stage_finishes_on_the_hub_id(stages):
     assert runs["sft"].data.metrics["tokens/dropped_long"] == 0
     assert runs["sft"].data.metrics["tokens/example_max"] <= float(runs["sft"].data.params["max_length"])
     assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 8
+    assert runs["filter"].data.metrics["band"] >= 1  # the pinned question at least
     assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == 24
     assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ci_env import require
 from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 from scipy import stats as scipy_stats
@@ -520,6 +521,8 @@ def test_small_sweep_cells_are_tagged_children_with_the_same_metric_names(small_
     cells = {(r.data.tags["slmsql.variant"], r.data.tags["slmsql.seed"]) for r in by_stage["grpo"]}
     assert cells == {(v, s) for v in ("runs_tier=0.1", "runs_tier=0.0") for s in ("0", "1")}
     assert len({frozenset(r.data.metrics) for r in by_stage["grpo"]}) == 1  # the compare view lines them up
+    # however long each cell ran (10 s sampling; a 2-step cell may take less): its system metrics are there
+    assert all("system/cpu_utilization_percentage" in r.data.metrics for r in by_stage["grpo"])
     evals = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] != "baseline"]
     assert len({frozenset(r.data.metrics) for r in evals}) == 1 and "vs_baseline/p" in evals[0].data.metrics
     [base] = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] == "baseline"]
@@ -552,9 +555,9 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
 
 # ---- make study-headroom: its command plans the table the README reports --------------------------------
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def _make_sweep_plan(target: str, tmp_path, monkeypatch):
     """The plan of the sweep `make TARGET` runs (its files stood in by empty ones), and its other commands."""
+    require(shutil.which("make") is not None, "make", "Debian's build-essential or make package; .ci/run runs make")
     repo = Path(__file__).resolve().parents[1]
     dry = subprocess.run(["make", "-n", "-B", "-C", str(repo), target, "BIN=bin", "VENV=venv"],
                          capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")

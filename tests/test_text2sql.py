@@ -203,13 +203,15 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
             os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         log.close()
-    time.sleep(1)  # uvicorn's worker exits after its parent
-    alive = []
+    procs = []  # the CLI and uvicorn, as they were (a pid reused since is another process)
     for pid, started in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             q = psutil.Process(pid)
-            if q.create_time() == started and q.status() != psutil.STATUS_ZOMBIE:
-                alive.append(" ".join(q.cmdline()))
+            if q.create_time() == started:
+                procs.append(q)
+    # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past a minute
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    alive = [" ".join(q.cmdline()) for q in alive if q.status() != psutil.STATUS_ZOMBIE]
     assert len(tree) >= 2 and alive == []  # the CLI and uvicorn, both gone
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more

@@ -74,3 +74,49 @@ def test_server_cli_passes_backend_store_uri(monkeypatch):
         assert seen["store"] == "x.db"
     finally:
         signal.signal(signal.SIGTERM, before)  # the CLI maps SIGTERM to Ctrl-C; not for pytest itself
+
+
+def test_every_run_that_samples_system_metrics_has_them_however_short(tmp_path, monkeypatch):
+    """A run's metric names do not depend on how long it ran: a stage run far shorter than the sampling interval
+    (an hour here) still gets its `system/*`, taken and logged as it ends, straight to the run (filter) and
+    through an outbox (sft, grpo)."""
+    import mlflow
+
+    from slmsql import configs, tracking
+    from slmsql.durable import Outbox
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "3600")
+    cfg = configs.load(configs.SFTStageConfig, None, {})
+    with tracking.stage_run("filter", cfg, system_metrics=True) as direct:
+        pass
+    with Outbox(tmp_path / "out.outbox", wait=60) as box, \
+            tracking.stage_run("sft", cfg, system_metrics=True, outbox=box) as boxed:
+        pass
+    client = mlflow.MlflowClient()
+    for run in (direct, boxed):
+        got = client.get_run(run.info.run_id)
+        assert got.info.status == "FINISHED"
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(got.data.metrics)
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [0]
+
+
+def test_a_stage_run_leaves_no_experiment_id_for_the_processes_started_after_it(tmp_path):
+    """mlflow.set_experiment exports MLFLOW_EXPERIMENT_ID, an id of this store: a process started afterwards
+    against another store would look for that experiment there. A stage run in this process leaves the
+    environment as it found it."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["evaluate", "--data", str(EXAMPLES / "gold.jsonl"), "--db-root",
+                                       str(EXAMPLES / "databases"), "--predictions",
+                                       str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out),
+                                       "--experiment", "second"])  # id 1: the store's second experiment
+    assert result.exit_code == 0, result.output
+    assert "MLFLOW_EXPERIMENT_ID" not in os.environ
+    other = f"sqlite:///{tmp_path}/other.db"  # a fresh store: only experiment 0
+    proc = subprocess.run([sys.executable, "-c", "import mlflow; print(mlflow.start_run().info.experiment_id)"],
+                          env={**os.environ, "MLFLOW_TRACKING_URI": other}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr[-2000:]

@@ -125,20 +125,28 @@ def server_cmd(host, port, store, backend_store_uri, artifacts):
 
 @main.command("sync-tracking")
 @click.argument("folder", type=click.Path(file_okay=False))
-def sync_tracking_cmd(folder):
+@click.option("--resend-refused", is_flag=True,
+              help="Also send again the records the server refused (set aside beside FOLDER), once the cause is "
+                   "fixed; those it refuses again stay set aside.")
+def sync_tracking_cmd(folder, resend_refused):
     """Send the tracking records a training stage kept in FOLDER (`<output-dir>.outbox`) while its MLflow server
-    did not answer, in order; the run then ends as the stage ended it. FOLDER is deleted once all are sent. Then
-    show the records the server refused (set aside in `FOLDER.refused.jsonl`, beside it), with its reasons."""
-    from .durable import refused, refused_file, sync
+    did not answer or turned its credentials away, in order; the run then ends as the stage ended it. FOLDER is
+    deleted once all are sent. Then show the records the server refused (set aside in `FOLDER.refused.jsonl`,
+    their files in `FOLDER.refused/`), with its reasons."""
+    from .durable import refused, refused_file, resend_refused as resend, sync
 
     aside = refused(folder)
     if os.path.exists(folder) or not aside:  # an outbox all sent is gone; what it set aside is not
         n, uri = sync(folder)
         click.echo(f"sent {n} tracking record(s) to {uri}; removed {folder}")
-        aside = refused(folder)
+    if resend_refused and refused(folder):
+        n, left = resend(folder)
+        click.echo(f"sent {n} set-aside tracking record(s) again; {left} refused again")
+    aside = refused(folder)
     if aside:
-        click.echo(f"{len(aside)} record(s) the tracking server refused, set aside in {refused_file(folder)} "
-                   "(never sent again; delete the file once read):\n  " + "\n  ".join(aside))
+        click.echo(f"{len(aside)} record(s) the tracking server refused, set aside in {refused_file(folder)}:\n  "
+                   + "\n  ".join(aside) + f"\nOnce the cause is fixed, send them again with: slmsql sync-tracking "
+                   f"{folder} --resend-refused (or delete that file and {folder}.refused/)")
 
 
 @main.command("runs")

@@ -301,11 +301,15 @@ class PublishConfig(Common):
                          "card; the adapter's card and adapter_config.json then name it as the base.")
     base_run: str = opt("", "MLflow run id of the SFT run that wrote the local base (default: found from its path).")
     private: bool = opt(False, "Create the Hub repo private.")
-    dry_run: bool = opt(False, "Write the folder that would be pushed; push nothing.")
+    dry_run: bool = opt(False, "Push nothing to the Hub: write the folder that would be pushed (card, adapter), "
+                        "log the text2sql model from it as a LoggedModel of its own (never the GRPO policy's, "
+                        "which a later push fills) and register it under the alias 'dry-run' (never --alias). "
+                        "The model is not loaded to check it, and no local base is copied into MLflow: one that "
+                        "is a run's artifact is named by its runs:/ URI, another gets no model.")
     endpoint: str = opt("", "Hub endpoint (default: HF_ENDPOINT or huggingface.co).")
     license: str = opt("apache-2.0", "License in the card metadata.")
     registered_model: str = opt("", "MLflow registered model name (default: from repo id; 'none' to skip).")
-    alias: str = opt("candidate", "Registry alias for the new version.")
+    alias: str = opt("candidate", "Registry alias for the pushed version (a dry run's takes 'dry-run').")
     output_dir: str = opt("outputs/publish", "Folder for the card and the pushed files.")
 
 
@@ -342,7 +346,8 @@ class PipelineConfig(Common):
     repo_id: str = opt("slmsql/toy-grpo", "Hub repo id of the GRPO adapter.")
     base_repo: str = opt("slmsql/toy-sft", "Hub repo id of the SFT model (the adapter's local base, pushed too).")
     push: bool = opt(False, "Push base and adapter to the Hub (needs a token: HF_TOKEN or `hf auth login`); else "
-                     "publish is a dry run. Either way the text2sql model is registered (alias candidate).")
+                     "publish is a dry run. Either way the text2sql model is registered: alias candidate when pushed, "
+                     "dry-run when not.")
     hub_endpoint: str = opt("", "Hub endpoint for the push (default: HF_ENDPOINT or huggingface.co).")
     output_dir: str = opt("outputs", "Folder for every step's outputs (outputs/<step>: the stages' own defaults).")
 

@@ -98,7 +98,7 @@ def publish_note(cfg, result: dict) -> str:
              f"{'' if result.get('new_commit') else ', no change'})" if "hub_url" in result
              else "written, not pushed (dry run)")
     reg = (f"; registered as {result['registered_model']} version {result['model_version']}"
-           if "model_version" in result else "")
+           + (f" (@{result['alias']})" if result.get("alias") else "") if "model_version" in result else "")
     return (f"Model card for {cfg.repo_id} {where}{reg}. From GRPO run {cfg.grpo_run} and "
             f"{len(cfg.eval_runs)} evaluation run(s).")
 

@@ -7,9 +7,13 @@ and final status, the run's end) is appended to `<folder>/records.jsonl`, the fi
 `<folder>/files/`, before anything is sent. A thread sends the records in order, noting in `<folder>/sent` how
 many are done with; while the server does not answer it retries with backoff and the records wait on disk.
 When the stage ends it waits up to SLMSQL_TRACKING_WAIT_S for the outbox to empty (then deletes it); if it
-cannot, the records stay for `slmsql sync-tracking <folder>`. A record the server refuses (a 4xx: retrying
-cannot help) is set aside with the server's reason in `<folder>.refused.jsonl`, beside the outbox, and the
-records after it go on; `slmsql sync-tracking <folder>` shows what was set aside.
+cannot, the stage fails (non-zero) and the records stay for `slmsql sync-tracking <folder>`. Credentials the
+server turns away (401, 403: an expired token) are not a record's fault: the sender waits and retries as in an
+outage, and the records stay in order. A record the server refuses (another 4xx: retrying it as it is cannot
+help) is set aside with the server's reason in `<folder>.refused.jsonl`, beside the outbox, the file it names
+moved to `<folder>.refused/` (no file a record names is deleted while that record is unsent), and the records
+after it go on; `slmsql sync-tracking <folder>` shows what was set aside, and with `--resend-refused` sends it
+again once the cause is fixed (a deleted run restored, a limit raised).
 
 System metrics (`system/*`: CPU, memory, disk, network, GPU) are sampled by MLflow's sampler and logged through
 the outbox too: MLflow's own asks the server at every sample whether the run still runs and quits for good at
@@ -71,8 +75,24 @@ def refused_file(folder) -> Path:
     return folder.with_name(folder.name + ".refused.jsonl")
 
 
+def refused_dir(folder) -> Path:
+    """Where the files of set-aside records are kept (`<outbox>.refused/`), until they are sent."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".refused")
+
+
 class Refused(Exception):
-    """The server answered and refused a record: retrying will not help."""
+    """The server answered and refused a record: retrying it as it is will not help."""
+
+
+class Unauthorized(Exception):
+    """The server turned this process's credentials away (HTTP 401 or 403): no fault of the record. Kept and
+    retried, as in an outage, until the credentials are fixed."""
+
+
+AUTH = (401, 403)
+FIX_CREDENTIALS = ("fix the credentials (MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and "
+                   "MLFLOW_TRACKING_PASSWORD, or ~/.mlflow/credentials)")
 
 
 class Outbox:
@@ -93,7 +113,7 @@ class Outbox:
         self._thread: threading.Thread | None = None
         self._models: list[str] = []  # LoggedModels finalized with the run's end (track_model)
         self._refused = 0  # records the server refused, set aside (set_aside)
-        self._monitor = None  # the system-metrics sampler (system_metrics_sampler), when the stage asked for one
+        self._monitor = None  # the system-metrics sampler (tracking.system_metrics_sampler), when asked for
 
     def send_earlier(self) -> None:
         """Send what an earlier attempt left in this folder (a crash, a server that stayed away), before this
@@ -123,6 +143,8 @@ class Outbox:
             self._thread = threading.Thread(target=self._send_loop, name="slmsql-outbox", daemon=True)
             self._thread.start()
         if system_metrics:
+            from .tracking import system_metrics_sampler
+
             self._monitor = system_metrics_sampler(self, run_id, resume)
             self._monitor.start()
 
@@ -212,8 +234,11 @@ class Outbox:
             except Refused as e:
                 set_aside(self.folder, record, e)
                 self._refused += 1
-            except Exception as e:  # the server does not answer: keep the records, try again later
-                if self._error is None:
+            except Exception as e:  # no answer, or our credentials turned away: keep the records, try again later
+                if type(e) is not type(self._error) and isinstance(e, Unauthorized):
+                    log.warning("%s; training goes on, its records are kept in %s and sent once the server takes "
+                                "them: %s", e, self.folder, FIX_CREDENTIALS)
+                elif self._error is None:
                     log.warning("MLflow tracking server does not answer (%s); training goes on, its records are "
                                 "kept in %s until it does", _short(e), self.folder)
                 self._error = e
@@ -248,15 +273,17 @@ class Outbox:
         left = len(self._records) - self._sent
         if self._refused:
             log.error("%d tracking record(s) of run %s were refused by the server, set aside in %s; `%s` shows "
-                      "them with the server's reasons", self._refused, self.run_id, refused_file(self.folder),
-                      sync_command(self.folder))
+                      "them with the server's reasons (and `--resend-refused` sends them again once the cause is "
+                      "fixed)", self._refused, self.run_id, refused_file(self.folder), sync_command(self.folder))
         if left == 0:
             shutil.rmtree(self.folder, ignore_errors=True)
             return
+        once = (f"once you {FIX_CREDENTIALS}" if isinstance(self._error, Unauthorized) else
+                "once the server answers")
         message = (f"{left} tracking record(s) of run {self.run_id} were not sent "
                    f"({_short(self._error) if self._error else 'the server did not answer'}; waited "
-                   f"{self.wait:.0f} s, {WAIT_ENV}). They are kept in {self.folder}; once the server answers, "
-                   f"send them with: {sync_command(self.folder)}")
+                   f"{self.wait:.0f} s, {WAIT_ENV}): the run stays RUNNING in the store until they are. They are "
+                   f"kept in {self.folder}; {once}, send them with: {sync_command(self.folder)}")
         if exc_type is None:
             raise SlmsqlError(message)
         log.error(message)  # the stage's own error is the one raised
@@ -342,11 +369,20 @@ def send(client, folder: Path, record: dict) -> None:
             raise Refused(f"unknown record kind {kind!r}")
     except MlflowException as e:
         status = e.get_http_status_code()
+        if status in AUTH:
+            raise Unauthorized(f"the MLflow tracking server refused this process's credentials (HTTP {status}: "
+                               f"{_short(e)})") from e
         if 400 <= status < 500 and status not in (408, 429):
             raise Refused(f"record {record['n']} ({kind}): {_short(e)}") from e
         raise
     except FileNotFoundError as e:
         raise Refused(f"record {record['n']} ({kind}): {e}") from e
+    except Exception as e:  # an artifact upload's HTTP error (requests), 401 or 403 among them
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in AUTH:
+            raise Unauthorized(f"the MLflow tracking server refused this process's credentials (HTTP {status}: "
+                               f"{_short(e)})") from e
+        raise
 
 
 def sync(folder) -> tuple[int, str]:
@@ -369,57 +405,83 @@ def sync(folder) -> tuple[int, str]:
         except Refused as e:
             set_aside(folder, records[i], e)
         except Exception as e:
+            fix = f"; {FIX_CREDENTIALS}, then" if isinstance(e, Unauthorized) else ","
             raise SlmsqlError(f"{folder}: record {i} of {len(records)} not sent ({_short(e)}); "
-                              f"{len(records) - i} left, run this again") from None
+                              f"{len(records) - i} left{fix} run this again") from None
         _write_sent(folder, i + 1)
     shutil.rmtree(folder)
     return took, uri
 
 
 def set_aside(folder: Path, record: dict, reason: Exception) -> None:
-    """Keep a record the server refused, with its reason, in `refused_file` (the sender goes on without it)."""
+    """Keep a record the server refused, with its reason and the store it was for, in `refused_file`, and the file
+    it names in `refused_dir` (the outbox that held it is deleted once the rest is sent); the sender goes on."""
     log.error("the tracking server refused %s of run %s; set aside in %s", reason, record["run"],
               refused_file(folder))
+    if "file" in record and (folder / record["file"]).exists():
+        kept = refused_dir(folder) / record["file"]
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder / record["file"], kept)
+    entry = {"reason": str(reason), "record": record, "tracking_uri": _uri(folder)}
     with open(refused_file(folder), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"reason": str(reason), "record": record}) + "\n")
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _set_aside_entries(folder) -> list[dict]:
+    path = refused_file(folder)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def refused(folder) -> list[str]:
     """The records set aside from outbox `folder`, one line each: what, of which run, and the server's reason."""
+    return [f"run {e['record']['run']}: {e['reason']}" for e in _set_aside_entries(folder)]
+
+
+def resend_refused(folder) -> tuple[int, int]:
+    """Send the records set aside from outbox `folder` again, in order (`slmsql sync-tracking --resend-refused`,
+    once their cause is fixed), to MLFLOW_TRACKING_URI when set, else the store each was for. Those refused again
+    stay set aside with the new reason; the rest, and their files, are removed. Returns (sent, still set aside)."""
+    import mlflow
+
+    from . import tracking
+
+    entries, kept, took = _set_aside_entries(folder), [], 0
+    files, given, clients = refused_dir(folder), os.environ.get("MLFLOW_TRACKING_URI"), {}
+    for i, e in enumerate(entries):
+        uri = given or e["tracking_uri"]
+        if uri not in clients:
+            os.environ["MLFLOW_TRACKING_URI"] = uri
+            tracking.configure()  # fails at once, and clearly, while the server is away
+            clients[uri] = mlflow.MlflowClient(uri)
+        try:
+            send(clients[uri], files, e["record"])
+            took += 1
+            if "file" in e["record"]:
+                shutil.rmtree(files / Path(e["record"]["file"]).parent, ignore_errors=True)
+        except Refused as again:
+            kept.append({**e, "reason": str(again)})
+        except Exception as err:
+            _rewrite_set_aside(folder, kept + entries[i:])
+            fix = f"; {FIX_CREDENTIALS}, then" if isinstance(err, Unauthorized) else ","
+            raise SlmsqlError(f"{refused_file(folder)}: set-aside record {i + 1} of {len(entries)} not sent "
+                              f"({_short(err)}); {len(entries) - i} left set aside{fix} run this again") from None
+    _rewrite_set_aside(folder, kept)
+    return took, len(kept)
+
+
+def _rewrite_set_aside(folder, entries: list[dict]) -> None:
     path = refused_file(folder)
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [f"run {e['record']['run']}: {e['reason']}" for e in lines]
-
-
-def system_metrics_sampler(outbox: Outbox, run_id: str, resume: bool):
-    """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
-    samples logged through `outbox` and nothing asked of the server after it starts (its `monitor` loop, less the
-    server call at every sample; mlflow 3.17.2, pinned). `resume`: step on from the run's last `system/*` step."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
-        data = ()
-
-        def record_metrics(self, metrics, step):
-            outbox.log_metrics(metrics, step)
-
-        def flush(self):
-            pass
-
-    class Sampler(SystemMetricsMonitor):
-        def monitor(self):
-            while not self._shutdown_event.is_set():
-                for _ in range(self.samples_before_logging):
-                    self.collect_metrics()
-                    if self._shutdown_event.wait(self.sampling_interval):
-                        return
-                self.publish_metrics(self.aggregate_metrics())
-
-    sampler = Sampler(run_id, resume_logging=resume)
-    sampler.mlflow_logger = ToOutbox()
-    return sampler
+    if not entries:
+        path.unlink(missing_ok=True)
+        shutil.rmtree(refused_dir(folder), ignore_errors=True)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def end_locally(run_id: str) -> None:

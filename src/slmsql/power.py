@@ -15,6 +15,10 @@ effect / se (the one-sample t-test's power, as G*Power and statsmodels' TTestPow
 and df). Holm over a family of m rejects a comparison at its first step when p < alpha / m: planning at
 alpha / m (Bonferroni) is a lower bound on Holm's power for each comparison. The components are taken as the
 pilot measured them, at the pilot's effect: the MDD holds the variances fixed as the effect changes.
+
+Degenerate cases are answered, not failed on: a pilot whose differences have no variance (GRPO changed no
+answer) has se 0, so any gain > 0 is detected (an MDD of 0); an effect of 0 is detected by no design (its power
+is the level); a target power at or below the level alpha / m is refused (every gain exceeds it).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import nct, norm
+from scipy.stats import chi2, nct, norm
 from scipy.stats import t as student_t
 
 from .seedstats import satterthwaite
@@ -112,22 +116,46 @@ def _method_power(effect: float, c: Components, seeds: int, n: int, level: float
     return float(np.mean(np.abs(mean) > crit * np.sqrt(combo / (seeds * n))))
 
 
+def check_target(target: float, family: int = 1, alpha: float = 0.05) -> None:
+    """A target power the test can mean: above its level alpha / family (its power at no effect at all, which
+    every gain > 0 exceeds) and below 1 (which no finite study reaches)."""
+    level = alpha / family
+    if not 0 < target < 1:
+        raise StatsError(f"power must lie strictly between 0 and 1, got {target}")
+    if target <= level:
+        raise StatsError(f"power {target:g} is at or below the test's level alpha / family = {alpha:g} / {family} "
+                         f"= {level:.4g}, the power at no effect at all: every gain would 'reach' it. Give a power "
+                         f"above {level:.4g} (0.8 or 0.9 is usual)")
+
+
+TINY = 1e-9  # the smallest gain mdd looks at: an MDD of 0 means every gain above it reaches the target
+
+
 def mdd(c: Components, seeds: int, n: int, family: int = 1, alpha: float = 0.05, target: float = 0.9,
         over_seeds: bool = False) -> float:
     """The smallest gain (EX difference) detected with power `target`; inf when no gain up to 1 (every
-    question turned right) is."""
-    if not 0 < target < 1:
-        raise StatsError(f"power must lie strictly between 0 and 1, got {target}")
+    question turned right) is; 0 when any gain > 0 is (a pilot whose differences have no variance: it changed
+    no answer, or every seed changed the same ones the same way)."""
+    check_target(target, family, alpha)
+    se, _ = se_df(c, seeds, n, over_seeds)
+    if se == 0:
+        return 0.0
     gap = lambda d: power(d, c, seeds, n, family, alpha, over_seeds) - target  # noqa: E731
     if gap(1.0) < 0:
         return math.inf
-    return float(brentq(gap, 1e-9, 1.0, xtol=1e-7))
+    if gap(TINY) >= 0:  # a variance so small that the least gain already reaches the target
+        return 0.0
+    return float(brentq(gap, TINY, 1.0, xtol=1e-7))
 
 
 def questions_needed(effect: float, c: Components, seeds: int, family: int = 1, alpha: float = 0.05,
-                     target: float = 0.9, over_seeds: bool = False, max_n: int = 20_000) -> int | None:
+                     target: float = 0.9, over_seeds: bool = False, max_n: int = 20_000) -> int | float | None:
     """The fewest questions that give `seeds` seeds power `target` at `effect`; None if more than max_n
-    (with seeds random, var_seed / S bounds the se from below: past some point more questions do not help)."""
+    (with seeds random, var_seed / S bounds the se from below: past some point more questions do not help);
+    inf at an effect of 0, which no design detects (its power is the test's level, below any target)."""
+    check_target(target, family, alpha)
+    if effect == 0:
+        return math.inf
     ok = lambda n: power(effect, c, seeds, n, family, alpha, over_seeds) >= target  # noqa: E731
     if not ok(max_n):
         return None
@@ -140,11 +168,24 @@ def questions_needed(effect: float, c: Components, seeds: int, family: int = 1, 
     return hi
 
 
+def seed_variance_interval(seeds: int, confidence: float = 0.95) -> tuple[float, float]:
+    """How far the true between-seed variance may lie from a pilot's estimate: the chi-square interval of a
+    variance estimated with seeds - 1 degrees of freedom (its mean square MS_seed has seeds - 1), as multiples of
+    the estimate. 2 seeds (1 df): 0.20 to 1018 times."""
+    df = seeds - 1
+    if df < 1:
+        raise StatsError(f"a between-seed variance needs at least 2 seeds, got {seeds}")
+    tail = (1 - confidence) / 2
+    return df / float(chi2.ppf(1 - tail, df)), df / float(chi2.ppf(tail, df))
+
+
 def plan(c: Components, effect: float, n: int, seeds: int, family: int, alpha: float = 0.05, target: float = 0.9,
          max_seeds: int = 8, max_n: int = 2000) -> dict:
     """One comparison's plan: the design's power at `effect` and its MDD, for the seeds trained (pooled) and for
     the method (seeds random; None without a between-seed variance or with 1 seed), and for 1..max_seeds seeds
     the questions needed for `target` power at `effect` (None: more than max_n)."""
+    check_target(target, family, alpha)
+
     def both(fn, s):
         method = fn(True) if c.var_seed is not None and s >= 2 else None
         return fn(False), method

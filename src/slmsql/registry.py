@@ -7,6 +7,7 @@ import logging
 from .errors import SlmsqlError
 
 log = logging.getLogger(__name__)
+DRY_RUN_ALIAS = "dry-run"  # a dry run's version: never --alias, which names pushed versions (candidate)
 
 
 def registry_name(cfg) -> str | None:
@@ -26,13 +27,22 @@ def registry_name(cfg) -> str | None:
             validation._validate_model_alias_name_reserved(cfg.alias)
     except MlflowException as e:
         raise SlmsqlError(f"registry: {e.message}") from None
+    if cfg.alias.lower() == DRY_RUN_ALIAS and not cfg.dry_run:
+        raise SlmsqlError(f"--alias {cfg.alias}: the alias of dry runs' versions (nothing pushed); a pushed "
+                          "version takes another (default candidate)")
     return name
+
+
+def alias_of(cfg) -> str:
+    """The alias the new version takes: --alias for a push, DRY_RUN_ALIAS for a dry run, so that a dry run never
+    takes an alias (candidate) from a pushed version."""
+    return DRY_RUN_ALIAS if cfg.dry_run else cfg.alias
 
 
 def register(name: str, cfg, pushed: dict, model_uri: str) -> dict:
     """A registry version of the GRPO run's text2sql model (`model_uri`, logged to that run; the version made
     from it before is reused), tagged with what was pushed (`pushed`: publish's Hub facts, none for a dry run),
-    and aliased."""
+    and aliased (`alias_of`)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -57,7 +67,9 @@ def register(name: str, cfg, pushed: dict, model_uri: str) -> dict:
             tags.update(base_commit=pushed["base_hub_commit"])
     for key, value in tags.items():
         client.set_model_version_tag(name, version.version, key, value)
-    if cfg.alias:
-        client.set_registered_model_alias(name, cfg.alias, version.version)
-    log.info("registered %s version %s%s", name, version.version, f" as @{cfg.alias}" if cfg.alias else "")
-    return {"registered_model": name, "model_version": int(version.version), "model_uri": model_uri}
+    alias = alias_of(cfg)
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
+    log.info("registered %s version %s%s", name, version.version, f" as @{alias}" if alias else "")
+    return {"registered_model": name, "model_version": int(version.version), "model_uri": model_uri,
+            **({"alias": alias} if alias else {})}

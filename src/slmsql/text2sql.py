@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import mlflow.pyfunc
@@ -38,6 +39,7 @@ from .outputs import link_or_copy
 
 log = logging.getLogger(__name__)
 NAME = "text2sql"  # the logged model's name
+DRY_RUN_NAME = "text2sql-dry-run"  # publish --dry-run's model: a LoggedModel of its own, never the policy's
 SETTINGS = ("prompt_style", "example_values", "max_new_tokens", "batch_size")  # what evaluate's SQL depends on
 INPUTS = (("question", True), ("schema", False), ("db_path", False), ("evidence", False))
 INPUT_EXAMPLE = [{"question": "How many items cost more than 2?",
@@ -105,8 +107,13 @@ class Text2SQL(mlflow.pyfunc.PythonModel):
         from .models import load_model
 
         cfg = context.model_config
-        base = context.artifacts.get("base") or cfg["base_model"]
         self._cfg = _config(cfg)
+        base = context.artifacts.get("base") or cfg["base_model"]
+        if base is None and cfg.get("base_uri"):  # a dry run's local base: a run's artifact, fetched (publish.ship)
+            with tempfile.TemporaryDirectory() as tmp:
+                self._model = load_model(_fetch_base(cfg["base_uri"], cfg["base_repo"], Path(tmp)),
+                                         context.artifacts["adapter"])
+            return
         self._model = load_model(base, context.artifacts["adapter"])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
@@ -148,6 +155,18 @@ def requirements() -> list[str]:
     return [f"slmsql=={__version__}"] + [f"{name}=={version(name)}" for name in REQUIREMENTS]
 
 
+def _fetch_base(uri: str, repo: str, dst: Path) -> Path:
+    """A base named by its run artifact URI, downloaded into `dst` under the name of the repo the adapter names as
+    its base (`stage_base`)."""
+    from .tracking import RUN_URI, download
+
+    m = RUN_URI.fullmatch(uri)
+    got = download(m[1], m[2], dst / "download")
+    out = dst / repo.split("/")[1]
+    got.rename(out)
+    return out
+
+
 def stage_base(base: Path, name: str, dst: Path) -> Path:
     """The local base for the model's artifacts, in a folder named after the Hub repo it was pushed to: the
     adapter records that repo as its base, and `check_adapter_base` matches a local copy by that name."""
@@ -162,11 +181,14 @@ def fingerprint(model_config: dict, commits: dict) -> str:
 
 
 def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, base: Path | None = None,
-                 into: str | None = None):
+                 into: str | None = None, dry_run: bool = False):
     """Log the text2sql model to run `run_id`, in that run's experiment (reused when the run already holds one
     with the same fingerprint); returns (model URI, whether it was reused). `into`: the LoggedModel of the
     policy the run trained (lineage.py), which takes the servable model's files unless it holds a text2sql model
-    already (then a LoggedModel of its own): run -> its policy's model -> the registered version, one line."""
+    already (then a LoggedModel of its own): run -> its policy's model -> the registered version, one line.
+    `dry_run` (publish --dry-run, `into` None): a LoggedModel of its own named DRY_RUN_NAME, with no input example:
+    given one, MLflow loads the model to answer it (the signature stays), which loads the base, minutes of Hub
+    retries offline (pyfunc's save_model takes no switch for that check)."""
     import mlflow
     from mlflow.entities import LoggedModelStatus
     from mlflow.models import Model
@@ -185,21 +207,25 @@ def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, 
         model = policy
         client.set_logged_model_tags(model.model_id, {"slmsql.fingerprint": fp})
     else:  # created here, not by Model.log, which would file it under the active run's (publish's) experiment
-        model = client.create_logged_model(experiment, NAME, source_run_id=run_id, tags={"slmsql.fingerprint": fp})
+        tags = {"slmsql.fingerprint": fp, **({"slmsql.dry_run": "true"} if dry_run else {})}
+        model = client.create_logged_model(experiment, DRY_RUN_NAME if dry_run else NAME, source_run_id=run_id,
+                                           tags=tags)
     # named relative to the folder they are in, entered while MLflow copies them: the model's MLmodel records each
     # artifact's source as given (`uri`), which would otherwise be a temporary folder of this machine
     here = Path(adapter).parent
     artifacts = {"adapter": Path(adapter).name} | ({"base": os.path.relpath(base, here)} if base is not None else {})
     try:
         # mlflow.pyfunc.log_model, with the run to log to named (the GRPO run, not the active one). MLflow then
-        # loads the saved model and answers the input example, as its scoring server would (a warning if not).
+        # loads the saved model and answers the input example, as its scoring server would (a warning if not):
+        # for a push only (`dry_run`).
         # Into the policy's model: no run named, as it is an output of `run_id` already (MLflow would record
         # that twice, which its store refuses); the active run (publish) then records it as its output too.
         with contextlib.chdir(here):
             info = Model.log(artifact_path=None, flavor=mlflow.pyfunc, run_id=None if model is policy else run_id,
                              model_id=model.model_id,
                              python_model=Text2SQL(), artifacts=artifacts, model_config=model_config,
-                             signature=signature(), input_example=INPUT_EXAMPLE, pip_requirements=requirements(),
+                             signature=signature(), input_example=None if dry_run else INPUT_EXAMPLE,
+                             pip_requirements=requirements(),
                              metadata={"task": "text-to-sql", "slmsql_version": __version__})
     except BaseException:
         if model is policy:  # the policy itself is fine (its files are its run's): as it was, for a retry

@@ -46,9 +46,10 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
     """Start (or, under `mlflow run` or on resume, reuse) the run for one stage, with its config as params.
 
     Params: empty options are left out, and the local copy of a run artifact (`fetch_inputs`) is logged as
-    that artifact's run URI (`param_value`). `system_metrics`: MLflow samples CPU, memory (and GPU
-    where pynvml is installed) every 10 s as `system/*` metrics; for the long training and sampling stages
-    (with an outbox, through it: durable.system_metrics_sampler).
+    that artifact's run URI (`param_value`). `system_metrics`: MLflow's sampler takes CPU, memory (and GPU
+    where pynvml is installed) every 10 s as `system/*` metrics, and once more at the run's end, so every such run
+    has them however short it was; for the long training and sampling stages (with an outbox, through it:
+    system_metrics_sampler).
 
     Launched as several processes, the main process alone starts and logs the run; the others get a stand-in
     holding the run's id and must log nothing (an MLflow call there would start a second run). The run records
@@ -73,10 +74,10 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
             outbox.send_earlier()
         run_id = run_id or os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
-            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
+            set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or cfg.experiment)
         nested = mlflow.active_run() is not None
         with mlflow.start_run(run_id=run_id, run_name=None if run_id else (cfg.run_name or stage),
-                              nested=nested, log_system_metrics=system_metrics and outbox is None,
+                              nested=nested, log_system_metrics=False,  # our sampler instead (system_metrics_sampler)
                               tags=None if run_id else source_tags(f"slmsql {stage}")) as run:
             if not run_id:
                 drop_local_remote(run)
@@ -91,7 +92,15 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
                 mlflow.log_params(new)
             send(run.info.run_id)
             if outbox is None:
-                yield run
+                sampler = None
+                if system_metrics:
+                    sampler = system_metrics_sampler(None, run.info.run_id, resume=run_id is not None)
+                    sampler.start()
+                try:
+                    yield run
+                finally:
+                    if sampler is not None:
+                        sampler.finish()  # its last sample, before the run ends
                 return
             outbox.start(run.info.run_id, system_metrics=system_metrics, resume=run_id is not None)
             try:
@@ -100,6 +109,60 @@ def stage_run(stage: str, cfg, params: dict | None = None, tags: dict | None = N
                 outbox.end_run("FAILED")
                 raise
             outbox.end_run("FINISHED")
+
+
+def system_metrics_sampler(outbox, run_id: str, resume: bool):
+    """MLflow's system-metrics sampler (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s, 10 by default), its
+    samples logged through `outbox` (a durable.Outbox) and nothing asked of the server after it starts (its
+    `monitor` loop, less the server call at every sample; mlflow 3.17.2, pinned); without an outbox, straight to
+    the run (MLflow's own batch logger). `resume`: step on from the run's last `system/*` step.
+
+    Every run gets `system/*`, however short: at `finish` the samples since the last one published (the one at
+    the interval's start, and one more taken then) are published, where MLflow's own loop drops them. A run's
+    metric names must not depend on how long it ran: a sweep's cells are compared side by side by name, and a
+    test of a short run would otherwise see `system/*` on one machine and not on a faster one."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class ToOutbox:  # what the sampler's publish_metrics and finish call on MLflow's batch logger
+        data = ()
+
+        def record_metrics(self, metrics, step):
+            outbox.log_metrics(metrics, step)
+
+        def flush(self):
+            pass
+
+    class Sampler(SystemMetricsMonitor):
+        def monitor(self):
+            while True:  # at least one sample, even when the run ends before the loop starts
+                for _ in range(self.samples_before_logging):
+                    self.collect_metrics()
+                    if self._shutdown_event.wait(self.sampling_interval):
+                        self.collect_metrics()  # CPU %: the share since the sample before, up to the end
+                        self.publish_metrics(self.aggregate_metrics())
+                        return
+                self.publish_metrics(self.aggregate_metrics())
+
+    sampler = Sampler(run_id, resume_logging=resume)
+    if outbox is not None:
+        sampler.mlflow_logger = ToOutbox()
+    return sampler
+
+
+def set_experiment(name: str):
+    """mlflow.set_experiment, less its export of MLFLOW_EXPERIMENT_ID to this process's environment: an id of this
+    store, which every process started later would inherit (a `mlflow run` or a stage in another store then
+    refuses it, or logs to the wrong experiment). This process keeps the experiment as its active one."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_EXPERIMENT_ID")
+    try:
+        return mlflow.set_experiment(name)
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+        else:
+            os.environ["MLFLOW_EXPERIMENT_ID"] = before
 
 
 # --- where a run came from, without a folder of this machine ---------------------------------------------------

@@ -15,13 +15,15 @@ from pathlib import Path
 from ..data import write_json
 from ..errors import DataError
 from ..outputs import Staged
-from ..power import Components, plan
+from ..power import Components, check_target, plan, seed_variance_interval
+from ..stats import StatsError
 
 NEEDED = ("variant", "eval_set", "n", "diff", "var_question", "var_within", "var_seed")
 
 
-def comparisons(cfg) -> tuple[list[dict], int, int]:
-    """(label, effect, n, Components) per comparison to plan, the pilot's seeds and its family size."""
+def comparisons(cfg) -> tuple[list[dict], int, int, list[str]]:
+    """(label, effect, n, Components) per comparison to plan, the pilot's seeds, its family size, and notes on
+    what the plan rests on (printed with it)."""
     if not cfg.pilot:
         if not cfg.discordance:
             raise DataError("give --pilot (a sweep's report/sweep.json) or --discordance with --effect",
@@ -33,7 +35,12 @@ def comparisons(cfg) -> tuple[list[dict], int, int]:
             c = Components.from_discordance(cfg.discordance, cfg.effect, seed_sd)
         except ValueError as e:
             raise DataError(str(e), "command line", field="discordance") from None
-        return [{"label": "given", "effect": cfg.effect, "n": cfg.n, "components": c}], 1, 1
+        notes = [] if cfg.effect else [
+            "--discordance without --effect plans for an effect of 0, which no design detects (its power is the "
+            "test's level; no number of questions reaches the target); its minimum detectable difference takes the "
+            "whole discordance as variance, the most it can be. For the sizing table give --effect (the pilot's "
+            "difference, or the smallest gain worth finding)."]
+        return [{"label": "given", "effect": cfg.effect, "n": cfg.n, "components": c}], 1, 1, notes
     path = Path(cfg.pilot)
     try:
         rep = json.loads(path.read_text(encoding="utf-8"))
@@ -55,13 +62,45 @@ def comparisons(cfg) -> tuple[list[dict], int, int]:
                     "components": Components(r["var_question"], r["var_within"], var_seed)})
     if not out:
         raise DataError(f"no comparison on eval sets {cfg.eval_sets}", path, field="eval_sets")
-    return out, len(rep.get("seeds", [])) or 1, len(rows)
+    seeds = len(rep.get("seeds", [])) or 1
+    return out, seeds, len(rows), pilot_notes(cfg, seeds)
 
 
-def markdown(plans: list[dict]) -> str:
-    pts = lambda x: "n/a" if x is None else "not reachable" if math.isinf(x) else f"{100 * x:.1f}"  # noqa: E731
+def pilot_notes(cfg, seeds: int) -> list[str]:
+    """What a plan from a pilot rests on: its effect (unless --effect) and its between-seed variance's df."""
+    notes = []
+    if not cfg.effect:
+        notes.append("The effect planned for is each comparison's own pilot difference: an estimate from a small "
+                     "study, and one that looked good enough to follow up overstates the true effect on average "
+                     "(the winner's curse), so the power at it is optimistic. Plan for the smallest gain worth "
+                     "finding with --effect where you can name one.")
+    if seeds >= 2:
+        lo, hi = seed_variance_interval(seeds)
+        notes.append(f"The between-seed variance comes from {seeds} pilot seeds: {seeds - 1} degree(s) of freedom; "
+                     f"the true one may be {lo:.2g} to {hi:.4g} times the estimate (95% chi-square interval), so the "
+                     "method's (over seeds) power and sizes are rough." + (
+                         " Give --seed-sd from a study with more seeds where you have one." if seeds <= 3 else ""))
+    return notes
+
+
+def row_notes(p: dict) -> list[str]:
+    """Notes on one comparison's plan: no variance at all, or an effect of 0."""
+    c = p["components"]
+    notes = []
+    if c["var_question"] == c["var_within"] == 0 and not c["var_seed"]:
+        notes.append("its pilot differences have no variance (the pilot changed no answer, or every seed changed "
+                     "the same ones the same way): any gain > 0 is detected, which holds only as far as a study "
+                     "varies as little as its pilot did")
+    if p["effect"] == 0:
+        notes.append("an effect of 0 is detected by no design: the sizing table is 'not reachable'")
+    return notes
+
+
+def markdown(plans: list[dict], notes: list[str]) -> str:
+    pts = lambda x: ("n/a" if x is None else "not reachable" if math.isinf(x) else "any gain > 0" if x == 0  # noqa: E731
+                     else f"{100 * x:.1f}")
     pc = lambda x: "n/a" if x is None else f"{x:.0%}"  # noqa: E731
-    lines = []
+    lines = [f"Note: {n}\n" for n in notes]
     for p in plans:
         lines += [f"**{p['label']}**: effect {100 * p['effect']:+.1f} points; design {p['seeds']} seed(s) x "
                   f"{p['n']} questions, Holm family {p['family']} at alpha {p['alpha']} (planned at alpha / "
@@ -74,12 +113,21 @@ def markdown(plans: list[dict]) -> str:
         for s in p["sizes"]:
             method = "n/a" if p["power_method"] is None or s["seeds"] < 2 else _n(s["n_method"], p)
             lines.append(f"| {s['seeds']} | {_n(s['n_pooled'], p)} | {method} |")
-        lines.append("")
+        lines += [""] + [f"Note ({p['label']}): {n}" for n in p["notes"]] + ([""] if p["notes"] else [])
     return "\n".join(lines)
 
 
-def _n(n: int | None, p: dict) -> str:
-    return f"more than {p['max_n']}" if n is None else str(n)
+def _n(n, p: dict) -> str:
+    return f"more than {p['max_n']}" if n is None else "not reachable" if math.isinf(n) else str(n)
+
+
+def _json(v):
+    """JSON has no inf: an MDD no gain up to 1 reaches, or a size no design reaches, is written "unreachable"."""
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json(x) for x in v]
+    return "unreachable" if isinstance(v, float) and math.isinf(v) else v
 
 
 def main(cfg) -> list[dict]:
@@ -87,17 +135,21 @@ def main(cfg) -> list[dict]:
 
     from .. import tracking
 
-    rows, pilot_seeds, pilot_family = comparisons(cfg)  # every check before the run starts
+    rows, pilot_seeds, pilot_family, notes = comparisons(cfg)  # every check before the run starts
+    family = cfg.family or pilot_family
+    try:
+        check_target(cfg.power, family, cfg.alpha)
+    except StatsError as e:
+        raise DataError(str(e), "command line", field="power") from None
     st = Staged(cfg.output_dir, cfg.overwrite)
     plans = [{"label": r["label"], **plan(r["components"], r["effect"], cfg.n or r["n"], cfg.seeds or pilot_seeds,
-                                          cfg.family or pilot_family, cfg.alpha, cfg.power, cfg.max_seeds,
-                                          cfg.max_n)} for r in rows]
-    text = markdown(plans)
+                                          family, cfg.alpha, cfg.power, cfg.max_seeds, cfg.max_n)} for r in rows]
+    for p in plans:
+        p["notes"] = row_notes(p)
+    text = markdown(plans, notes)
     with tracking.stage_run("plan", cfg):
         with st:
-            # JSON has no inf: an MDD no gain up to 1 reaches is written "unreachable"
-            write_json(st.work / "plan.json", {"plans": [{k: "unreachable" if v == math.inf else v
-                                                          for k, v in p.items()} for p in plans]})
+            write_json(st.work / "plan.json", _json({"notes": notes, "plans": plans}))
             (st.work / "plan.md").write_text(text + "\n", encoding="utf-8")
         mlflow.log_artifacts(str(st.out))
         mlflow.log_metrics({"comparisons": len(plans)})

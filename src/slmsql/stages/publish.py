@@ -6,8 +6,10 @@ with --base-repo also OUT/base/, the local base model + its own card) -> Hub: th
 first (the adapter card names it as base_model), then one upload_folder commit of the adapter -> Hub URLs and
 commits back on the GRPO run -> the `text2sql` MLflow model (slmsql.text2sql: adapter, base, prompt and
 generation settings) logged to the GRPO run -> a Model Registry version of that model, with an alias.
---dry-run skips the pushes only: the model and its registry version are made from the written folder (a local
-registry needs no Hub), without Hub tags; a later real push makes a model of its own (other commits) and version.
+--dry-run pushes nothing and takes nothing a push made: its model is a LoggedModel of its own made from the
+written folder (a local registry needs no Hub), never the GRPO policy's, registered under the alias `dry-run`
+(never --alias), without Hub tags, not loaded to check it, and holding no copy of a local base (`ship`); a later
+real push fills the policy's LoggedModel and takes --alias.
 
 Nothing is written, logged or sent before every check passes. The token lives in a local variable and the HfApi
 client only: the config has no field for it, so it cannot reach params, tags, logs, artifacts or the card.
@@ -219,27 +221,40 @@ def push_all(cfg: PublishConfig, token: str, out: Path, runs: cards.Runs) -> dic
 
 
 def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, name: str | None) -> dict:
-    """The pushes unless --dry-run; then, either way, the text2sql model and its registry version (a dry run's
-    made from the written folder, tagged as not pushed)."""
+    """The pushes unless --dry-run; then, either way, the text2sql model and its registry version.
+
+    A dry run's model is a LoggedModel of its own (never the GRPO policy's, which a later push fills, so the line
+    run -> policy model (with its EX) -> registered version holds), registered under the alias `dry-run` (never
+    --alias: a pushed version keeps it), not checked by loading it (the base may be minutes of Hub retries away
+    offline), and it copies no local base into MLflow: a base that is a run's artifact already (the pipeline's
+    SFT model) is named by its URI and fetched when the model loads; another local base gets no model."""
     import mlflow
 
     from ..text2sql import log_text2sql, stage_base
 
     result = {} if cfg.dry_run else push_all(cfg, token, out, runs)
     model = runs.grpo.data.tags.get("slmsql.model", "")
+    base_uri = tracking.param_value(model) if cfg.dry_run and runs.base is not None else None
+    if base_uri is not None and not tracking.RUN_URI.fullmatch(base_uri):
+        log.warning("no text2sql model and no registry version in a dry run: its base %r is a local folder, which "
+                    "the model would have to copy into MLflow (the push holds it, from --base-repo)", model)
+        return result
     if hub_id(model) is None and runs.base is None:  # a dry run only: gather refuses to push such a base
         log.warning("no text2sql model and no registry version: its base %r is a local checkpoint (give "
                     "--base-repo to name it; the model then holds its weights)", model)
         return result
     model_config = {"base_model": hub_id(model), "base_repo": cfg.base_repo or None, **runs.settings,
-                    "decoding": "greedy", "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id}
+                    "decoding": "greedy", "grpo_run": cfg.grpo_run, "hub_repo": cfg.repo_id,
+                    **({"base_uri": base_uri} if base_uri else {})}
     commits = {"adapter": result.get("hub_commit"), "base": result.get("base_hub_commit")}  # None: not pushed
     with tempfile.TemporaryDirectory() as tmp:
         adapter = Path(tmp) / "adapter"  # exactly the written adapter folder (its card included)
         shutil.copytree(out, adapter, ignore=shutil.ignore_patterns("base"))
-        base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base else None
+        base_dir = stage_base(out / "base", cfg.base_repo.split("/")[1], Path(tmp)) if runs.base and not base_uri \
+            else None
         model_uri, _ = log_text2sql(cfg.grpo_run, adapter, model_config, commits, base_dir,
-                                    into=runs.grpo.data.tags.get(MODEL_TAG))
+                                    into=None if cfg.dry_run else runs.grpo.data.tags.get(MODEL_TAG),
+                                    dry_run=cfg.dry_run)
     result.update(text2sql_model=model_uri)
     if not cfg.dry_run:
         # The push's metric is this run's, not the model's: logged after the model (Model.log copies the run's
