@@ -109,6 +109,13 @@ def test_a_fractional_gpu_share_claims_that_share_of_vllms_gpu_memory(tiny_lm, f
         assert fake_llm[-1].get("gpu_memory_utilization") == want, (engine, gpus)
 
 
+def test_vllm_prefills_a_prompt_once_for_its_k_samples(tiny_lm, fake_llm):
+    """n = K samples are K sequences to vLLM: prefix caching (on, whatever the platform's default) computes the
+    prompt once for them (docs/vllm.md has the measurement)."""
+    vllm_engine.load(_vllm_cfg(tiny_lm), 8, models.load_tokenizer(tiny_lm))
+    assert fake_llm[-1]["enable_prefix_caching"] is True
+
+
 def test_vllm_builds_its_engine_in_the_dtype_asked_for(tiny_lm, fake_llm):
     for asked, built in (("auto", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")):  # auto: on a CPU
         engine, _ = vllm_engine.load(_vllm_cfg(tiny_lm, dtype=asked), 8, models.load_tokenizer(tiny_lm))
@@ -350,6 +357,7 @@ def test_both_backends_stop_at_the_end_of_turn_token_and_vllm_samples_as_asked(t
     lm, tok = models.load_model(folder)
     text = bigram.prompt(tok, "How many items?")
     engine, _ = vllm_engine.load(cfg, len(tok(text, add_special_tokens=False)["input_ids"]), tok)
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # K samples, one prefill
     for backend, model in (("transformers", lm), ("vllm", engine)):
         (completion,) = generation.generate(model, tok, [text], max_new_tokens=12, backend=backend, progress=False)[0]
         assert completion.strip() == "SELECT 1", backend
