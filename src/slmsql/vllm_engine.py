@@ -139,8 +139,8 @@ def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = No
                   max_num_batched_tokens=max(cfg.batch_size * need, 2048), max_num_seqs=max(cfg.batch_size, 1) * 8,
                   enforce_eager=device.type == "cpu",
                   # a prompt's K samples (one request, n = K) are K sequences to vLLM, each prefilled unless the
-                  # prompt's blocks are cached: on explicitly, whatever the platform's default (docs/vllm.md: K = 8
-                  # samples of 8 SmolLM2 prompts took 20.8 s with it, 33.0 s without, on a CPU)
+                  # prompt's blocks are cached: on explicitly, whatever the platform's default (bench/vllm_prefix.py,
+                  # docs/vllm.md)
                   enable_prefix_caching=True)
     if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
