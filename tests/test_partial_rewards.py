@@ -211,3 +211,17 @@ def test_every_reward_says_what_it_measures_and_where_it_comes_from():
     assert set(sources) == set(rewards.REGISTRY)
     for name, source in sources.items():
         assert source in rewards.describe(name), name
+
+
+def test_the_cli_reference_and_the_vocabulary_name_every_registered_reward():
+    import dataclasses
+    import re
+
+    from slmsql import configs, vocabulary
+
+    help_ = {f.name: f for f in dataclasses.fields(configs.GRPOStageConfig)}["rewards"].metadata["help"]
+    named = re.findall(r"\w+", help_.split("registry:", 1)[1].split("(", 1)[0])
+    assert named == list(rewards.REGISTRY)  # a reward added to the registry and not to the help fails here
+    table = vocabulary.vocabulary_markdown()
+    for name in rewards.REGISTRY:
+        assert vocabulary.documented(f"rewards/{name}/mean", "grpo") and f"`{name}`: " in table
