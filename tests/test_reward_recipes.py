@@ -137,5 +137,6 @@ def test_grpo_with_the_dense_set_logs_every_reward(policy, tmp_path):
         assert sorted(h.step for h in steps) == [1, 2], name
         assert all(0.0 <= h.value <= 1.0 for h in steps), name
     # and per completion in the completions table, beside the status
-    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/step_00002.json")).read_text())
+    path = client.download_artifacts(run.info.run_id, "completions/step_00002.json")
+    table = json.loads(Path(path).read_text())
     assert {"status", *cfg.rewards} <= set(table["columns"]) and len(table["data"]) == 8
