@@ -120,7 +120,8 @@ def test_the_dense_set_pays_partial_credit_where_the_outcome_set_cannot(shop_sal
 @pytest.mark.slow
 def test_grpo_with_the_dense_set_logs_every_reward(policy, tmp_path):
     data = write(tmp_path / "band.jsonl", [{**r, "pass_rate": 0.5} for r in read(policy.train)[:4]])
-    cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", "grpo", "--recipe", str(SETS["dense"]), "--data", str(data),
+    cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", "grpo", "--recipe", str(SETS["dense"]),
+           "--data", str(data),
            "--db-root", str(policy.db_root), "--model", str(policy.model), "--output-dir", str(tmp_path / "out"),
            "--max-steps", "2", "--num-generations", "4", "--per-device-train-batch-size", "8",
            "--max-completion-length", "32", "--save-steps", "2", "--completions-every", "2", "--workers", "1",
