@@ -192,3 +192,15 @@ def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
     assert set(fig["arms"]) == {"off", "on", "warm"} and fig["caching_speedup"] > 0
     assert len({a["prompt_tokens"] for a in fig["arms"].values()}) == 1  # the same prompts in each arm
     assert all(0 < a["completion_tokens"] <= 2 * 2 * 4 for a in fig["arms"].values())
+
+
+def test_rewards_bench_times_every_reward_on_one_shared_execution():
+    fig = run_bench("rewards.py", "--questions", "2", "--k", "4", "--batch-questions", "1", "--repeats", "1",
+                    "--workers", "1")
+    from slmsql.rewards import REGISTRY
+
+    assert set(fig["ms_per_completion"]) == set(REGISTRY) | {"cell_precision_alone"}
+    assert all(v >= 0 for v in fig["ms_per_completion"].values())
+    assert fig["completions"] == 8 and fig["batches"] == 2
+    assert fig["executions_per_pass"] == [2]  # one execution per batch, whatever reads its results
+    assert fig["omp_num_threads"] == "1"
