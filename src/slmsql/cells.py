@@ -29,24 +29,25 @@ def _overlap(pred, gold) -> tuple[set, set] | float:
     return _cells(pred, digests), _cells(gold, digests)
 
 
-def cell_precision(pred, gold) -> float:
-    """Share of the prediction's distinct cell values that occur in the gold result (QATCH's cell precision):
-    how much of what it returned is right, whatever the rows' shape."""
+def _shared_share(pred, gold, of_pred: bool) -> float:
+    """The cells both results hold, as a share of the prediction's (precision) or the gold's (recall)."""
     sets = _overlap(pred, gold)
     if isinstance(sets, float):
         return sets
     p, g = sets
-    return len(p & g) / len(p)
+    return len(p & g) / len(p if of_pred else g)
+
+
+def cell_precision(pred, gold) -> float:
+    """Share of the prediction's distinct cell values that occur in the gold result (QATCH's cell precision):
+    how much of what it returned is right, whatever the rows' shape."""
+    return _shared_share(pred, gold, of_pred=True)
 
 
 def cell_recall(pred, gold) -> float:
     """Share of the gold result's distinct cell values that occur in the prediction (QATCH's cell recall): how much
     of the answer it found."""
-    sets = _overlap(pred, gold)
-    if isinstance(sets, float):
-        return sets
-    p, g = sets
-    return len(p & g) / len(g)
+    return _shared_share(pred, gold, of_pred=False)
 
 
 def tuple_cardinality(pred, gold) -> float:
