@@ -12,10 +12,12 @@ MLflow run, its engine serving the resumed policy.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import mlflow
@@ -109,12 +111,21 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
         return rollout(self, prompts, trainer)
 
     monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
+    freed, close = [], vllm_rollouts.Rollouts.close
+
+    def checked_close(self):  # at train end the engine is gone, while the trainer that held it still lives
+        engine = weakref.ref(self.engine.llm)
+        close(self)
+        gc.collect()
+        freed.append(engine() is None)
+
+    monkeypatch.setattr(vllm_rollouts.Rollouts, "close", checked_close)
     start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
     steps = 4 if mode == "fresh" else 2
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
                    learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **start)
     assert grpo.main(cfg)["steps"] == steps
-    assert len(probes) == steps
+    assert len(probes) == steps and freed == [True]
     for step, (engine, own) in enumerate(probes):
         assert engine == own, f"step {step}: the engine's greedy answers are not the policy's"
     if mode == "fresh":  # the swap is real: the policy's answers moved, and the engine's with them

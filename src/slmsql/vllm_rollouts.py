@@ -28,6 +28,7 @@ served on that merge, saved once into the work folder.
 from __future__ import annotations
 
 import functools
+import gc
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -159,7 +160,16 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        """The adapter copies and the merged base are the engine's alone: gone with it."""
+        """The engine shut down and dropped, so that its memory (on a GPU, its share of it) is back for whatever this
+        process runs next (another run, a sweep's next cell); the adapter copies and the merged base are the engine's
+        alone: gone with it."""
+        engine, self.engine, self.lora = self.engine, None, None
+        if engine is not None:
+            # vLLM's own teardown of an in-process engine (executor, distributed state, cached memory; it also undoes
+            # the gc.freeze of the engine's start, without which its objects are never collected)
+            engine.llm.llm_engine.engine_core.shutdown()
+            del engine
+            gc.collect()
         shutil.rmtree(self.folder, ignore_errors=True)
         if self.base != self.cfg.model:
             shutil.rmtree(self.base, ignore_errors=True)
@@ -181,12 +191,6 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
         return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
                                  **trainer_cls.keywords)
 
-    from transformers import TrainerCallback
-
-    class CloseAtEnd(TrainerCallback):
-        def on_train_end(self, args, state, control, **kwargs):
-            rollouts.close()
-
     class VllmRolloutTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, rollout_func=rollouts, **kwargs)
@@ -194,6 +198,11 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
             # measures and corrects these rollouts as it does its own vLLM's (module docstring)
             self.use_vllm, self._last_loaded_step = True, -1
             self.vllm_generation = rollouts.bind(self)
-            self.add_callback(CloseAtEnd())
+
+        def train(self, *args, **kwargs):
+            try:
+                return super().train(*args, **kwargs)
+            finally:  # at the end of training, or a crash: the engine is not kept for the trainer's lifetime
+                rollouts.close()
 
     return VllmRolloutTrainer
