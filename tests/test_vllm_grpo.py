@@ -12,6 +12,7 @@ MLflow run, its engine serving the resumed policy.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -26,7 +27,7 @@ from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
 from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
 
-from slmsql import configs, distributed, vllm_rollouts
+from slmsql import configs, distributed, training, vllm_rollouts
 from slmsql.stages import grpo
 
 RATIO = 1e-5  # the loss's log-probs against the same policy's in another pass: float summation order only
@@ -209,6 +210,85 @@ def test_one_objective_on_both_backends_whatever_the_dropout(backend, policy, dr
     assert len(seen) == 2 and all(s["old"] == (backend == "vllm") for s in seen), seen
     # float summation order only (the same forward, other batch layouts): dropout 0.05 moves them by > 1e-2
     assert all(s["ratio"] <= RATIO and s["dropout"] <= RATIO for s in seen), seen
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after_checkpoint(step):
+    original = training.metrics_callback
+
+    def crashing(*args):
+        base = original(*args)
+
+        class CrashAfterCheckpoint(type(base)):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    raise Crash(f"simulated crash after checkpoint-{step}")
+
+        return CrashAfterCheckpoint()
+
+    return crashing
+
+
+def _rng_probe(monkeypatch) -> dict:
+    """Step -> [the global generators' states (Python, NumPy, torch) at each of its loss computations]."""
+    import hashlib
+    import random
+
+    import numpy as np
+    import torch
+    from trl import GRPOTrainer
+
+    seen, real = {}, GRPOTrainer._compute_loss
+
+    def probed(self, model, inputs):
+        state = (random.getstate(), np.random.get_state()[1].tobytes(), torch.random.get_rng_state().numpy().tobytes())
+        seen.setdefault(self.state.global_step + 1, []).append(hashlib.sha256(repr(state).encode()).hexdigest())
+        return real(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", probed)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_resumed_step_equals_the_uninterrupted_one(backend, policy, tmp_path, monkeypatch, vllm_ready):
+    """`--resume` restores checkpoint-2's global generators (Python, NumPy, torch) and the engine's start, which seeds
+    them all, no longer overwrites them: step 3 of a resumed run finds them as the uninterrupted run's step 3 does,
+    and ends with its adapter and metrics to the bit (float32). The torch generator decides which groups share a
+    micro-batch (shared_prefix.shuffle_groups; gradient accumulation 2 with TRL's `bnpo` loss, normalised per
+    micro-batch) and, under transformers, the samples."""
+    import torch
+    from safetensors.torch import load_file
+
+    # 16 questions, 4 per step: step 3 lies in the first epoch (resumed across an epoch boundary, TRL's RepeatSampler
+    # restarts its order: another matter, see docs/stages/grpo.md)
+    band = band_file(policy, tmp_path / "band.jsonl", n=16)
+    over = dict(backend=backend, dtype="float32", max_steps=3, save_steps=2, per_device_train_batch_size=8,
+                gradient_accumulation_steps=2, learning_rate=0.05, lora_dropout=0.0, trainer_args="loss_type=bnpo")
+    states = _rng_probe(monkeypatch)
+    assert grpo.main(grpo_cfg(policy, band, tmp_path / "whole", **over))["steps"] == 3
+    whole_states = states.pop(3)
+    cfg = grpo_cfg(policy, band, tmp_path / "resumed", **over)
+    with monkeypatch.context() as m:
+        m.setattr(training, "metrics_callback", _crash_after_checkpoint(2))
+        with pytest.raises(Crash):
+            grpo.main(cfg)
+    assert grpo.main(dataclasses.replace(cfg, resume=True))["steps"] == 3
+    # the global generators as step 3's loss computations find them (the engine started in that step when resumed)
+    assert states[3] == whole_states and len(whole_states) == 2
+    whole, resumed = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
+                      for name in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole), [
+        k for k in whole if not torch.equal(whole[k], resumed[k])][:3]
+    runs = {Path(r.data.params["output_dir"]).name: r.info.run_id
+            for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
+    for key in ("loss", "reward", "grad_norm"):
+        at3 = [dict(_history(runs[name], key)).get(3) for name in ("whole", "resumed")]
+        assert at3[0] is not None and at3[0] == at3[1], (key, at3)
 
 
 KILLED_AFTER_CHECKPOINT_2 = """

@@ -27,6 +27,7 @@ served on that merge, saved once into the work folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import shutil
@@ -81,6 +82,29 @@ def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
     return str(folder)
 
 
+@contextlib.contextmanager
+def global_rngs_kept():
+    """Python's, NumPy's and torch's global generators (CPU and every GPU) as they were before the block: vLLM seeds
+    them all with its `seed` when its engine starts (vllm.utils.torch_utils.set_random_seed), which in this process
+    would overwrite the trainer's state, e.g. the one `--resume` has just restored from the checkpoint. The rollouts
+    do not need it: every request carries its own seed."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class Rollouts:
     """TRL's `rollout_func` and, bound to the trainer as its `vllm_generation`, the weight sync TRL calls."""
 
@@ -124,7 +148,8 @@ class Rollouts:
         extra = dict(enable_lora=True, max_lora_rank=vllm_engine._lora_rank(rank), logprobs_mode="processed_logprobs")
         if torch.cuda.is_available():  # the trainer shares the GPU: TRL's own share for a colocated engine
             extra["gpu_memory_utilization"] = t.args.vllm_gpu_memory_utilization
-        engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
+        with global_rngs_kept():
+            engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
         return engine
 
     def __call__(self, prompts: list, trainer) -> dict:
