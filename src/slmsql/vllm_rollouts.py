@@ -27,7 +27,9 @@ served on that merge, saved once into the work folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -80,6 +82,29 @@ def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
     return str(folder)
 
 
+@contextlib.contextmanager
+def global_rngs_kept():
+    """Python's, NumPy's and torch's global generators (CPU and every GPU) as they were before the block: vLLM seeds
+    them all with its `seed` when its engine starts (vllm.utils.torch_utils.set_random_seed), which in this process
+    would overwrite the trainer's state, e.g. the one `--resume` has just restored from the checkpoint. The rollouts
+    do not need it: every request carries its own seed."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 class Rollouts:
     """TRL's `rollout_func` and, bound to the trainer as its `vllm_generation`, the weight sync TRL calls."""
 
@@ -123,7 +148,8 @@ class Rollouts:
         extra = dict(enable_lora=True, max_lora_rank=vllm_engine._lora_rank(rank), logprobs_mode="processed_logprobs")
         if torch.cuda.is_available():  # the trainer shares the GPU: TRL's own share for a colocated engine
             extra["gpu_memory_utilization"] = t.args.vllm_gpu_memory_utilization
-        engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
+        with global_rngs_kept():
+            engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
         return engine
 
     def __call__(self, prompts: list, trainer) -> dict:
@@ -159,7 +185,16 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        """The adapter copies and the merged base are the engine's alone: gone with it."""
+        """The engine shut down and dropped, so that its memory (on a GPU, its share of it) is back for whatever this
+        process runs next (another run, a sweep's next cell); the adapter copies and the merged base are the engine's
+        alone: gone with it."""
+        engine, self.engine, self.lora = self.engine, None, None
+        if engine is not None:
+            # vLLM's own teardown of an in-process engine (executor, distributed state, cached memory; it also undoes
+            # the gc.freeze of the engine's start, without which its objects are never collected)
+            engine.llm.llm_engine.engine_core.shutdown()
+            del engine
+            gc.collect()
         shutil.rmtree(self.folder, ignore_errors=True)
         if self.base != self.cfg.model:
             shutil.rmtree(self.base, ignore_errors=True)
@@ -181,12 +216,6 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
         return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
                                  **trainer_cls.keywords)
 
-    from transformers import TrainerCallback
-
-    class CloseAtEnd(TrainerCallback):
-        def on_train_end(self, args, state, control, **kwargs):
-            rollouts.close()
-
     class VllmRolloutTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, rollout_func=rollouts, **kwargs)
@@ -194,6 +223,11 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
             # measures and corrects these rollouts as it does its own vLLM's (module docstring)
             self.use_vllm, self._last_loaded_step = True, -1
             self.vllm_generation = rollouts.bind(self)
-            self.add_callback(CloseAtEnd())
+
+        def train(self, *args, **kwargs):
+            try:
+                return super().train(*args, **kwargs)
+            finally:  # at the end of training, or a crash: the engine is not kept for the trainer's lifetime
+                rollouts.close()
 
     return VllmRolloutTrainer
