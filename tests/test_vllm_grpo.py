@@ -50,6 +50,9 @@ def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_l
     for backend in ("vllm", "transformers"):  # one objective: dropout stays off on both (docs/stages/grpo.md)
         _refused(_cfg(paths, tmp_path, backend=backend, trainer_args="disable_dropout=false"), "dropout off")
     _refused(_cfg(paths, tmp_path, top_p=0.9, min_p=0.05), "top_p and min_p")
+    _refused(_cfg(paths, tmp_path, trainer_args="loss_type=vespo"), "VESPO needs")  # TRL's init check, mirrored
+    for allowed in ("vllm_importance_sampling_mode=token_mask", "vllm_importance_sampling_correction=false"):
+        vllm_rollouts.trl_vllm_checks(_cfg(paths, tmp_path, trainer_args=f"loss_type=vespo {allowed}").trainer_args)
     with monkeypatch.context() as m:
         m.setattr(distributed, "world_size", lambda: 2)
         _refused(_cfg(paths, tmp_path), "runs in one process")
@@ -64,6 +67,33 @@ def test_full_weights_refused_from_the_command_line(paths, tmp_path):
          str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "as a LoRA" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_every_check_trls_init_makes_on_use_vllm_is_mirrored():
+    """The trainer sets `use_vllm` after GRPOTrainer.__init__ (vllm_rollouts' docstring), so every refusal that init
+    makes on `use_vllm` must be made by vllm_rollouts.trl_vllm_checks instead. Read from TRL's source: a TRL that
+    adds one fails here, naming it."""
+    import ast
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer.__init__)))
+    refusals = {ast.unparse(node.test) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and "use_vllm" in ast.unparse(node.test) and any(isinstance(n, ast.Raise) for n in ast.walk(node))}
+    mirrored = {"self.loss_type == 'vespo' and self.use_vllm and self.vllm_importance_sampling_correction"}
+    assert refusals == mirrored, f"TRL's init refuses on use_vllm where slmsql does not check: {refusals - mirrored}"
+
+
+def test_trl_check_refused_from_the_command_line(paths, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--trainer-args", "loss_type=vespo",
+         "--data", str(paths.train), "--db-root", str(paths.db_root), "--model", str(paths.model), "--output-dir",
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "VESPO needs" in done.stderr and "sequence_mask" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 

@@ -19,7 +19,8 @@ The log-prob gap: TRL recomputes the policy's log-probs of the sampled tokens, l
 `sampling/sampling_logp_difference/{mean,max}` and weights the loss by its importance-sampling correction
 (`vllm_importance_sampling_*`, on by default) only when `use_vllm` is set, and it builds its own engine when
 `args.use_vllm` is set. So the trainer here sets `use_vllm` after TRL's init: TRL measures these rollouts as it
-measures its own. The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
+measures its own. The checks TRL's init makes on `use_vllm` are skipped that way, so `trl_vllm_checks` makes them
+before any model loads (tests/test_vllm_grpo.py reads TRL's init for any it would miss). The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
 
 A LoRA that sits on merged adapters (`--adapter-mode stack`, or a continued adapter that was itself stacked) is
 served on that merge, saved once into the work folder.
@@ -61,7 +62,26 @@ def check(cfg, world_size: int) -> None:
                           "use_vllm=true vllm_mode=server) on GPUs")
     if cfg.trainer_args.get("use_vllm"):
         raise SlmsqlError("--backend vllm and --trainer-args use_vllm=true both generate with vLLM: choose one")
+    trl_vllm_checks(cfg.trainer_args)
     vllm_engine.check(cfg, cfg.sampling())
+
+
+VESPO = ("--backend vllm with --trainer-args loss_type=vespo: VESPO needs TRL's token-level importance sampling "
+         "(vllm_importance_sampling_mode=token_truncate or token_mask; TRL's default is {mode}) or the correction off "
+         "(vllm_importance_sampling_correction=false); TRL's GRPOTrainer refuses the rest")
+
+
+def trl_vllm_checks(trainer_args: dict) -> None:
+    """The refusals GRPOTrainer.__init__ makes when `use_vllm` is set (TRL 1.16: VESPO's importance-sampling mode),
+    which this trainer skips by setting `use_vllm` after that init (module docstring)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    value = {f.name: f.default for f in dataclasses.fields(GRPOConfig)} | trainer_args
+    if (value["loss_type"] == "vespo" and value["vllm_importance_sampling_correction"]
+            and value["vllm_importance_sampling_mode"] not in ("token_truncate", "token_mask")):
+        raise SlmsqlError(VESPO.format(mode=value["vllm_importance_sampling_mode"]))
 
 
 def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
