@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import sqlite3
@@ -130,6 +131,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         fast[module] = fast.get(module, False) or item.get_closest_marker("slow") is None
+
+
+def pytest_collection_finish(session):
+    # What collection imported and built (torch, transformers, MLflow, the test modules) lives to the session's end:
+    # frozen out of the collector's reach, each full collection walks only what the tests made since. Measured on
+    # 2 cores: the fast tier's 61 full collections took 43 s of its 185 s, ~0.7 s each over ~1.9M objects.
+    gc.freeze()
 
 
 @pytest.fixture
