@@ -2,6 +2,7 @@ import gc
 import os
 import shutil
 import sqlite3
+import sys
 
 import pytest
 
@@ -138,6 +139,22 @@ def pytest_collection_finish(session):
     # frozen out of the collector's reach, each full collection walks only what the tests made since. Measured on
     # 2 cores: the fast tier's 61 full collections took 43 s of its 185 s, ~0.7 s each over ~1.9M objects.
     gc.freeze()
+    _frozen_at[0] = len(sys.modules)
+
+
+_frozen_at = [0]  # len(sys.modules) at the last freeze
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # The tests import more as they go (TRL, vLLM, Ray: only where needed). At a module's end, its fixtures torn
+    # down, when much was imported since the last freeze: collect (so no garbage is frozen), then freeze the rest.
+    module = item.nodeid.split("::")[0]
+    if nextitem is not None and nextitem.nodeid.split("::")[0] != module and len(sys.modules) > _frozen_at[0] + 200:
+        gc.collect()
+        gc.freeze()
+        _frozen_at[0] = len(sys.modules)
 
 
 @pytest.fixture
