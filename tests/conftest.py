@@ -145,6 +145,10 @@ def pytest_collection_finish(session):
 _frozen_at = [0]  # len(sys.modules) at the last freeze
 
 
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's shutdown frees them (else nanobind reports triton's objects as leaked)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
