@@ -1,6 +1,8 @@
 """The bench scripts still run: each at its smallest settings, ending with one JSON line of its figures.
 
-Times are never asserted, only that the figures exist and the compared runs did identical work.
+Times are never asserted, only that the figures exist and the compared runs did identical work. A script's run
+loads a model in a new process (10-20 s each on 2 cores): those are slow-tier tests (CI runs them); the fast tier
+keeps the refusals and the scripts' pure parts (shapes, prompts, batching).
 """
 
 import importlib.util
@@ -34,6 +36,7 @@ def load_bench(name: str):
     return module
 
 
+@pytest.mark.slow  # loads a model and generates, twice (batched and one by one)
 def test_evaluate_bench_batched_equals_single():
     fig = run_bench("evaluate.py", "--n", "6", "--batch-size", "4", "--max-new-tokens", "8")
     assert fig["identical_outputs"] is True and fig["mismatches"] == 0
@@ -44,6 +47,7 @@ def test_evaluate_bench_batched_equals_single():
     assert fig["speedup"] > 0
 
 
+@pytest.mark.slow  # trains a step on each arm
 def test_grpo_bench_tiny_runs_both_arms_on_identical_work():
     fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0")
     assert fig["shape"] == "tiny" and fig["failed"] == [] and set(fig["arms"]) == {"plain", "recipe"}
@@ -85,6 +89,7 @@ def test_grpo_bench_full_shape_is_qwen25_coder_15b():
     assert [len(ids) for ids in tok(prompts)["input_ids"]] == [17, 17, 17]
 
 
+@pytest.mark.slow  # loads a model, samples and scores
 def test_filter_scale_bench_local_arm():
     """The local arm only: the Ray arms run the engine tests/test_ray.py covers, and cost a Ray start."""
     fig = run_bench("filter_scale.py", "--n", "4", "--k", "2", "--max-new-tokens", "4", "--arms", "local")
@@ -161,6 +166,7 @@ def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
         assert fig[key] > 0
 
 
+@pytest.mark.slow  # trains a step on each arm
 def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     """The GPU check's `shared` arm is the recipe arm with the shared-prefix trainer (what the grpo stage builds)."""
     fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--arms", "recipe,shared")
@@ -171,6 +177,7 @@ def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     assert fig["arms"]["recipe"]["shared_prefix_logp_max_abs_diff"] is None
 
 
+@pytest.mark.slow  # a model's forward passes in a new process (~12 s on 2 cores)
 def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_path):
     from slmsql.models import build_tiny_model
 
