@@ -122,6 +122,27 @@ def test_vllm_builds_its_engine_in_the_dtype_asked_for(tiny_lm, fake_llm):
         assert fake_llm[-1]["dtype"] == built and engine.dtype == built, asked
 
 
+def test_a_seeded_prefill_is_never_split_where_the_generator_cannot_rewind(tiny_lm, fake_llm):
+    """vLLM discards the token a partial (chunked) prefill samples and rewinds that request's generator by its
+    offset; a CPU torch.Generator has none ("CPU Generator does not use offset": filter crashed on SmolLM2 with
+    --batch-size 16 and K 8). So on a CPU the engine never splits a prefill (its budget holds one whole sequence),
+    and it is sized for a generation batch: every prompt's K samples at once, each prompt prefilled once plus one
+    decode token per sample per step."""
+    import torch
+
+    assert not vllm_engine.generator_rewinds(torch.device("cpu"))
+    cfg = configs.load(configs.FilterConfig, None, {"data": "unused", "db_root": "unused", "model": str(tiny_lm),
+                                                    "backend": "vllm", "k": 8, "batch_size": 16,
+                                                    "max_new_tokens": 32})
+    vllm_engine.load(cfg, 100, models.load_tokenizer(tiny_lm))
+    built = fake_llm[-1]
+    assert built["enable_chunked_prefill"] is False and built["max_model_len"] == 100 + 32
+    assert built["max_num_batched_tokens"] == 16 * 100 + 16 * 8 and built["max_num_seqs"] == 16 * 8
+    # a batch of short prompts: the budget still holds one whole sequence (vLLM refuses less without chunking)
+    tiny = vllm_engine.sizing(prompts=1, samples=1, longest=10, need=500, chunked=False)
+    assert tiny["max_num_batched_tokens"] == 500
+
+
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_evaluate_tags_the_dtype_the_policy_generated_in(dtype, tiny_lm, tmp_path, shop):
     """The run's slmsql.dtype tag is the precision the model ran in (its `dtype` param says what was asked)."""
@@ -307,6 +328,39 @@ def test_filter_with_vllm_and_an_adapter_from_the_command_line(policy, adapter, 
         assert [r["id"] for r in read(out / "passrates.jsonl")] == ids
         assert run.data.params["backend"] == backend and run.data.tags["slmsql.dtype"] == "float32"
     assert got["vllm"][0].data.params["vllm_version"] and "vllm_version" not in got["transformers"][0].data.params
+
+
+@pytest.mark.slow
+def test_filter_with_vllm_samples_batches_longer_than_an_engine_step_from_the_command_line(policy, tmp_path,
+                                                                                         vllm_ready):
+    """`slmsql filter --backend vllm` in a new process, batches of 16 prompts x K 8 (the filter's default K, a
+    batch size of SmolLM2's bench): half the policy's memorised questions (a pass-rate band), half questions on other
+    databases, lengthened, so that a batch's prompts share little prefix and each sample has its own tail to
+    prefill past the cached blocks: a batch is several engine steps' worth. Where vLLM split a seeded prefill
+    across two steps, a CPU crashed ("CPU Generator does not use offset", as filter did on SmolLM2). Every
+    question gets its K samples."""
+    own = read(policy.source)[:20]
+    others = list({r["db_id"]: r for r in read(policy.world / "dev.jsonl") if r["db_id"] != own[0]["db_id"]}
+                  .values())[:20]
+    assert len(others) == 20  # 20 other schemas
+    longer = " ".join(["Answer with one SQL query over the tables above."] * 4)
+    others = [{**r, "question": f"{r['question']} {longer}"} for r in others]
+    data = write(tmp_path / "mixed.jsonl", [r for pair in zip(own, others) for r in pair])
+    args = {"data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "k": 8,
+            "batch_size": 16, "max_new_tokens": 48, "workers": 1, "backend": "vllm"}
+    from slmsql.data import read_gold
+
+    cfg, tok = configs.load(configs.FilterConfig, None, args), models.load_tokenizer(policy.model)
+    lens = [len(x) for x in tok(generation.prompts_for(cfg, read_gold(data), tok), add_special_tokens=False)
+            ["input_ids"]]
+    # what makes this test: on a CPU (vLLM's 128-token blocks, cached once full) each of a prompt's 8 samples
+    # prefills its prompt's last partial block itself; a batch's prefill then outgrows room for its sequences
+    assert sum(n + 7 * (n % 128) for n in lens[:16]) > 16 * (max(lens) + 48)
+    run, out = _cli("filter", args, tmp_path / "vllm")
+    rows = read(out / "passrates.jsonl")
+    assert [r["id"] for r in rows] == [r["id"] for r in read(data)]
+    assert all(r["k"] == 8 and r["bucket"] != "errors" for r in rows), rows[:2]
+    assert run.data.params["backend"] == "vllm"
 
 
 @pytest.mark.slow

@@ -14,9 +14,11 @@ How the engine runs (docs/vllm.md has the measurements): in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: starts in seconds, needs no `__main__` guard); on a CPU eager (else
 torch.compile for minutes per start) in --dtype as models.resolve_dtype resolves it for either backend (auto:
 float32 on a CPU, where bf16 is 2-5x slower without AVX512-BF16; bfloat16 on a GPU that has it), with a
-small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); `max_model_len` = the longest prompt + max_new_tokens, and
-`max_num_batched_tokens` room for a whole batch of them (seeded requests crash on a CPU when a prompt's
-prefill is split). The user's own VLLM_* environment settings win.
+small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); `max_model_len` = the longest prompt + max_new_tokens. The
+scheduler's sizes come from one generation batch (`sizing`). A seeded prefill is never split where the device's
+random generator cannot rewind (a CPU): vLLM discards the token a partial prefill samples and rewinds that
+request's generator by its offset, which a CPU torch.Generator does not have ("CPU Generator does not use
+offset"). The user's own VLLM_* environment settings win.
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = No
     dtype = dtype_name(cfg.dtype, device)
     kwargs = dict(model=cfg.model, tokenizer=cfg.model, seed=cfg.seed, generation_config="vllm", dtype=dtype,
                   max_model_len=need,
-                  max_num_batched_tokens=max(cfg.batch_size * need, 2048), max_num_seqs=max(cfg.batch_size, 1) * 8,
+                  **sizing(prompts=cfg.batch_size, samples=getattr(cfg, "k", 1), longest=longest, need=need,
+                           chunked=generator_rewinds(device)),
                   enforce_eager=device.type == "cpu",
                   # a prompt's K samples (one request, n = K) are K sequences to vLLM, each prefilled unless the
                   # prompt's blocks are cached: on explicitly, whatever the platform's default (bench/vllm_prefix.py,
@@ -157,6 +160,32 @@ def load(cfg, longest: int, tokenizer, gpu_memory_utilization: float | None = No
     except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, its own) for a model it cannot serve
         raise SlmsqlError(f"vLLM cannot serve model '{cfg.model}': {type(e).__name__}: {e}") from e
     return Engine(llm, lora, stop_ids(generation_config, tokenizer), need, dtype), tokenizer
+
+
+def generator_rewinds(device) -> bool:
+    """Whether a torch.Generator on `device` has an offset vLLM can rewind after a partial prefill's discarded
+    sample (CUDA's Philox does; a CPU's Mersenne Twister raises), asked of torch rather than assumed per platform."""
+    import torch
+
+    try:
+        torch.Generator(device=device).get_offset()
+    except RuntimeError:
+        return False
+    return True
+
+
+def sizing(*, prompts: int, samples: int, longest: int, need: int, chunked: bool) -> dict:
+    """vLLM's scheduler sizes for generation batches of `prompts` prompts x `samples` samples (one request of
+    n = samples each), prompts of up to `longest` tokens, sequences of up to `need`: every sequence of a batch at
+    once (max_num_seqs), and per step one decode token for each of them plus the prefill of every prompt once
+    (the samples of a prompt share its cached blocks; where a CPU's 128-token blocks cache less, the rest of a
+    batch's prefills wait for the next step). `chunked` (the device's generator rewinds): vLLM may split a
+    prefill across steps; without, it never does (a request waits until it fits whole), so the budget holds one
+    whole sequence. The budget is at least max_num_seqs, as vLLM requires."""
+    sequences = max(prompts, 1) * max(samples, 1)
+    budget = max(prompts, 1) * max(longest, 1) + sequences
+    return dict(max_num_seqs=sequences, max_num_batched_tokens=max(budget, need, sequences),
+                enable_chunked_prefill=chunked)
 
 
 def _lora_rank(r: int) -> int:
