@@ -26,7 +26,10 @@ from pathlib import Path
 
 
 def arm(args) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from slmsql.vllm_engine import ENV
+
+    for key, value in ENV.items():  # as slmsql's engines run: in-process, a 1 GiB KV cache (vLLM's CPU default is
+        os.environ.setdefault(key, value)  # 4 GiB, zero-filled at each start: minutes of system time on 2 cores)
     import vllm
     from transformers import AutoTokenizer
     from vllm import SamplingParams
