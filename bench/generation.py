@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--prompt-style", default="compact", choices=("compact", "omnisql"))
+    ap.add_argument("--transformers-only", action="store_true", help="skip vLLM even where it is installed")
     args = ap.parse_args()
 
     from slmsql import configs, generation, models, toyworld
@@ -82,8 +83,10 @@ def main() -> None:
         try:
             from slmsql import vllm_engine
 
+            if args.transformers_only:
+                raise RuntimeError("--transformers-only")
             vllm_engine.import_vllm()
-        except Exception as e:  # not installed: transformers only
+        except Exception as e:  # not installed, or not asked for: transformers only
             result["vllm"] = f"not run ({e})"
         else:
             longest = max(len(x) for x in tokenizer(prompts, add_special_tokens=False)["input_ids"])

@@ -31,6 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # grpo_gpu's Clock
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
 
 
+def toy_questions(root: Path, n: int = 64) -> None:
+    """The toy world at root/toy and its first n rl_source questions at root/rl.jsonl (the benches' GRPO data)."""
+    from slmsql import toyworld
+
+    toyworld.generate(root / "toy", seed=0, size="small")
+    questions = (root / "toy" / "rl_source.jsonl").read_text().splitlines(keepends=True)
+    (root / "rl.jsonl").write_text("".join(questions[:n]))
+
+
 def run(label: str, overrides: dict, args, root: Path, inputs_hook=None) -> dict:
     """The grpo stage for `--warmup` + `--steps` steps with the recipe and `overrides`; per-step medians.
     `inputs_hook(inputs)` sees every micro-batch the loss is computed on (bench/grpo_prefix.py counts tokens)."""
@@ -111,16 +120,14 @@ def main(argv=None):
     import transformers
     import trl
 
-    from slmsql import toyworld, vllm_engine
+    from slmsql import vllm_engine
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results = {}
     with tempfile.TemporaryDirectory(prefix="slmsql-bench-grpo-backends-") as tmp:
         root = Path(tmp)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
-        toyworld.generate(root / "toy", seed=0, size="small")
-        questions = (root / "toy" / "rl_source.jsonl").read_text().splitlines(keepends=True)
-        (root / "rl.jsonl").write_text("".join(questions[:64]))
+        toy_questions(root)
         print(f"{args.recipe.relative_to(ROOT) if args.recipe.is_relative_to(ROOT) else args.recipe}: "
               f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
               f"{transformers.__version__}, trl {trl.__version__}, vLLM {vllm_engine.version() or 'none'}; "

@@ -100,9 +100,9 @@ def main(argv=None):
     import torch
     import transformers
     import trl
-    from grpo_backends import run
+    from grpo_backends import run, toy_questions
 
-    from slmsql import configs, toyworld
+    from slmsql import configs
     from slmsql.models import load_tokenizer
 
     overrides = {k: v for k, v in (("prompt_style", args.prompt_style), ("example_values", args.example_values))
@@ -126,9 +126,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="slmsql-bench-grpo-prefix-") as tmp:
         root = Path(tmp)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
-        toyworld.generate(root / "toy", seed=0, size="small")
-        questions = (root / "toy" / "rl_source.jsonl").read_text().splitlines(keepends=True)
-        (root / "rl.jsonl").write_text("".join(questions[:64]))
+        toy_questions(root)
         print(f"{cfg.model}: G {cfg.num_generations}, {cfg.per_device_train_batch_size} completions a step, "
               f"{cfg.max_completion_length}-token budget, {cfg.prompt_style} prompts ({cfg.example_values} example "
               f"values), gradient checkpointing {checkpointing}; torch {torch.__version__} "

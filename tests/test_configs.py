@@ -49,11 +49,15 @@ def test_bad_recipes(tmp_path, doc, match):
 def test_every_recipe_in_repo_loads():
     from pathlib import Path
 
-    root = Path(__file__).parents[1] / "recipes"  # recipes/<model>/<stage>.yaml; accelerate/ holds launcher configs
-    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name != "accelerate")
-    assert recipes
+    # recipes/<model>/<stage>.yaml; accelerate/ holds launcher configs; rewards/ GRPO reward sets
+    root = Path(__file__).parents[1] / "recipes"
+    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name not in ("accelerate", "rewards"))
+    reward_sets = sorted((root / "rewards").glob("*.yaml"))
+    assert recipes and reward_sets
     for path in recipes:
         configs.load(configs.STAGES[path.stem], str(path), {}, require=False)
+    for path in reward_sets:
+        configs.load(configs.GRPOStageConfig, str(path), {}, require=False)
 
 
 def test_cli_missing_required_exits_nonzero():

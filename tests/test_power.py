@@ -2,8 +2,11 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
+import traceback
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -112,9 +115,28 @@ def pilot_report(tmp_path, seeds=3, changed=0.35):
     return path, rep["rows"][0]
 
 
-def slmsql(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+def slmsql(*args, cwd, new_process=True):
+    """`slmsql plan ARGS` in `cwd`: in a new process, as a user runs it, or (new_process=False) through the same click
+    command in this one. Each CLI path below runs once in a new process; its further variants run in-process, since
+    each new process costs 3-5 s of imports on 2 cores. Returns returncode, stdout and stderr either way (an
+    in-process exception's traceback goes to stderr, as the interpreter would print it)."""
+    if new_process:
+        return subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", *args], cwd=cwd, capture_output=True,
+                              text=True, timeout=300)
+    from click.testing import CliRunner
+
+    from slmsql.cli import main
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(main, ["plan", *args])
+    finally:
+        os.chdir(here)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(result.exception))
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
 
 
 def test_cli_plans_from_a_pilot_sweep(tmp_path):
@@ -143,7 +165,8 @@ def test_cli_bad_pilot_exits_before_any_output(tmp_path, edit, args, match):
         rep = json.loads(path.read_text())
         edit(rep)
         path.write_text(json.dumps(rep))
-    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path)
+    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path,
+                  new_process=match == "nowhere.json")  # the first case as a user meets it, the others in-process
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and match in proc.stderr
     assert "field" in proc.stderr or "pilot" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -214,7 +237,8 @@ def test_cli_answers_a_pilot_that_changed_no_answer(tmp_path):
                                   ["--power", "0.0083", "--family", "6"]])
 def test_cli_refuses_a_target_power_at_or_below_the_level(tmp_path, args):
     path, _ = pilot_report(tmp_path)
-    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path)
+    proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path,
+                  new_process=args == ["--power", "0.05"])  # the first case in a new process, the others in-process
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: command line: field 'power': ") and "Traceback" not in proc.stderr
     assert "at or below the test's level alpha / family" in proc.stderr
@@ -232,9 +256,8 @@ def test_cli_discordance_without_effect_says_it_plans_for_zero(tmp_path):
     # the MDD takes the whole discordance as variance: statsmodels' one-sample t at sd sqrt(0.2)
     assert p["mdd_pooled"] == pytest.approx(TTestPower().solve_power(None, 100, 0.05, 0.9) * math.sqrt(0.2), rel=1e-4)
     assert any("--discordance without --effect" in n for n in plan["notes"])
-    given = subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--effect", "0.1",
-                            "--n", "100", "--output-dir", "out2"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=300)
+    given = slmsql("--discordance", "0.2", "--effect", "0.1", "--n", "100", "--output-dir", "out2", cwd=tmp_path,
+                   new_process=False)
     assert given.returncode == 0 and "without --effect" not in given.stdout
 
 
@@ -243,12 +266,12 @@ def test_cli_notes_what_a_pilot_plan_rests_on(tmp_path, seeds):
     """A plan at the pilot's own effect warns of the winner's curse; its between-seed variance from S seeds has
     S - 1 df, stated with its interval (2 seeds: 0.2 to 1018 times the estimate). With --effect, no curse."""
     path, _ = pilot_report(tmp_path, seeds=seeds)
-    proc = slmsql("--pilot", str(path), "--output-dir", "out", cwd=tmp_path)
+    proc = slmsql("--pilot", str(path), "--output-dir", "out", cwd=tmp_path, new_process=seeds == 2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "winner's curse" in proc.stdout
     df = {2: "1 degree(s) of freedom; the true one may be 0.2 to 1018 times",
           3: "2 degree(s) of freedom; the true one may be 0.27 to 39.5 times"}[seeds]
     assert f"from {seeds} pilot seeds: {df}" in proc.stdout
     assert (tmp_path / "out" / "plan.md").read_text().count("winner's curse") == 1
-    fixed = slmsql("--pilot", str(path), "--effect", "0.05", "--output-dir", "out2", cwd=tmp_path)
+    fixed = slmsql("--pilot", str(path), "--effect", "0.05", "--output-dir", "out2", cwd=tmp_path, new_process=False)
     assert fixed.returncode == 0 and "winner's curse" not in fixed.stdout and "pilot seeds" in fixed.stdout

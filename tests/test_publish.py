@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -434,14 +433,15 @@ def test_push_makes_one_commit_with_card_and_adapter(store, world, hub, tmp_path
 
 # ---- which Hub the push goes to: --endpoint, else HF_ENDPOINT --------------------------------------------
 # The `hub` fixture points the library's *default* endpoint (huggingface_hub.constants.ENDPOINT) at the stub,
-# so the tests above would pass even if publish ignored --endpoint. Here the default is dead.
+# so the tests above would pass even if publish ignored --endpoint. Here the default is another Hub.
 
 @pytest.fixture
-def dead_url():
-    """A loopback URL that refuses connections: a port bound (so nobody else takes it) but not listening."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+def other_hub():
+    """The library's default endpoint in the --endpoint test: a second Hub stand-in, which knows no token the test
+    sends, so a push that goes there fails at once (a refused connection instead would cost huggingface_hub's ~23 s
+    of retries) and is seen arriving there."""
+    with HubStub() as other:
+        yield other
 
 
 
@@ -461,21 +461,23 @@ def cli_args(cfg: PublishConfig) -> list[str]:
             "--repo-id", cfg.repo_id, "--output-dir", cfg.output_dir]
 
 
-def test_endpoint_option_routes_the_push(store, hub, dead_url, tmp_path, monkeypatch):
+def test_endpoint_option_routes_the_push(store, hub, other_hub, tmp_path, monkeypatch):
     import mlflow
     from huggingface_hub import constants
 
     from slmsql.cli import main
 
-    monkeypatch.setattr(constants, "ENDPOINT", dead_url)  # the library default: dead
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead_url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "ENDPOINT", other_hub.url)  # the library default: not the stub `hub`
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        other_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setenv("HF_TOKEN", hub.token)
     args = cli_args(config(store, tmp_path))
 
-    # without --endpoint the push goes to the dead default and fails (so the stub below is reached only
-    # through the option); nothing reached the stub
+    # without --endpoint the push goes to the default, which refuses the token, and fails (so the stub below is
+    # reached only through the option); nothing reached the stub
     failed = CliRunner().invoke(main, args)
     assert failed.exit_code == 2 and f"pushing to {REPO} failed" in failed.output, failed.output
+    assert other_hub.requests and other_hub.repos == {}
     assert hub.requests == [] and hub.repos == {}
 
     result = CliRunner().invoke(main, args + ["--overwrite", "--endpoint", hub.url])

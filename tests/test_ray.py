@@ -13,7 +13,7 @@ the `ray` extra): it fails.
 
 Loopback only: Ray resolves 127.0.0.1 to the machine's address and binds on all interfaces unless
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its single-machine mode, read when `ray` is first imported), set here
-for this process and every Ray process it starts. Authentication: a token made for this session
+for this process and every Ray process it starts. Authentication: a token made for this module
 (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN), not the user's ~/.ray/auth_token.
 """
 
@@ -55,14 +55,37 @@ if importlib.util.find_spec("ray") is None:
 @pytest.fixture(scope="module", autouse=True)
 def ray_environment():
     """Ray's settings for this module's tests and every Ray process they start (module docstring), set while
-    they run and taken back after: not for the whole session, as setting them when the module is collected did
-    (every later test, and every process it started, ran with this module's token). Set before this module
-    first imports ray, which reads them (`import ray` happens in the tests, not at collection)."""
+    they run and taken back after: not for the whole session, as setting them when the module was collected did
+    (every later test, and every process it started, ran with this module's token).
+
+    Ray reads them once per process: RAY_AUTH_MODE into its cached config, the cluster switch into a module
+    constant, both when `ray` is first imported. An earlier test may have imported it (vLLM's engine does, in
+    vllm.v1.engine.utils), and then the GCS this module starts wants a token its driver does not send: CI
+    failed so ("Authentication token is missing or incorrect ... RAY_AUTH_MODE is currently 'disabled'").
+    So both are refreshed here whatever imported Ray first, and refreshed again from the restored environment
+    after."""
+    import ray
+    from ray._private import ray_constants
+    from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+    from ray._raylet import Config
+
+    def refresh():
+        Config.initialize("")  # re-reads RAY_AUTH_MODE, as Ray's own _enable_token_auth does
+        AuthenticationTokenLoader.instance().reset_cache()
+
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                            "RAY_AUTH_TOKEN": secrets.token_hex(32)}.items():
             mp.setenv(key, value)
-        yield
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        refresh()
+        try:
+            yield ray
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+    refresh()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("band.jsonl", "passrates.jsonl", "summary.json")

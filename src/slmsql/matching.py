@@ -65,6 +65,9 @@ def _encode(value) -> bytes:
     return b"r" + repr(v).encode()  # NaN's ("nan",); SQLite returns nothing else
 
 
+value_key = _encode  # one value's identity as the matching rules see it (the cell rewards' sets of values)
+
+
 def digest_row(row) -> bytes:
     return b"".join([hashlib.blake2b(_encode(v), digest_size=DIGEST_SIZE).digest() for v in row])
 

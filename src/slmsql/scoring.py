@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .data import Example, db_path
 from .extract import completion_text, extract_sql
@@ -21,6 +21,10 @@ class Outcome:
     status: str  # ok means "ran"; correct says whether it matched
     error: str | None = None
     pred_ms: float | None = None
+    # the results, when asked for (`keep_rows`): the prediction's (SQL that ran) and the gold's, as the sandbox
+    # returned them (row tuples, or matching.Digests past row_cap); what the cell rewards compare
+    rows: tuple | Digests | None = field(default=None, repr=False, compare=False)
+    gold_rows: tuple | Digests | None = field(default=None, repr=False, compare=False)
 
     @property
     def outcome(self) -> str:
@@ -42,9 +46,10 @@ def read_to(gold_rows, match: str) -> Whole:
     return Whole(distinct=gold_rows.distinct if isinstance(gold_rows, Digests) else len(gold_rows))
 
 
-def judge(items, executor, match: str = "bird") -> list[Outcome]:
+def judge(items, executor, match: str = "bird", keep_rows: bool = False) -> list[Outcome]:
     """items: (db_file, predicted sql or None, gold sql). Gold runs once per (db, sql) via the cache; a
-    prediction runs only against a gold that ran, and is read as far as it can still match it."""
+    prediction runs only against a gold that ran, and is read as far as it can still match it. `keep_rows`:
+    each Outcome also holds both results (off by default: a filter's many outcomes would hold every result)."""
     items = list(items)
     golds = executor.run_gold([(str(db), gold) for db, _, gold in items])
     todo = [i for i, (_, pred, _) in enumerate(items) if pred is not None and golds[i].status == "ok"]
@@ -61,14 +66,15 @@ def judge(items, executor, match: str = "bird") -> list[Outcome]:
         else:
             r: ExecResult = preds[i]
             ok = r.status == "ok" and results_match(r.rows, gold.rows, match, gold_sql)
-            out.append(Outcome(ok, r.status, r.error, round(r.elapsed_ms, 3)))
+            kept = dict(rows=r.rows, gold_rows=gold.rows) if keep_rows else {}
+            out.append(Outcome(ok, r.status, r.error, round(r.elapsed_ms, 3), **kept))
     return out
 
 
-def outcomes(completions, sql, db_path, executor, match="bird") -> list[Outcome]:
+def outcomes(completions, sql, db_path, executor, match="bird", keep_rows: bool = False) -> list[Outcome]:
     """Correctness and execution status of each raw completion (the filter's pass rate, the reward)."""
     preds = [extract_sql(completion_text(c))[0] for c in completions]
-    return judge(zip(db_path, preds, sql), executor, match)
+    return judge(zip(db_path, preds, sql), executor, match, keep_rows)
 
 
 def score_predictions(examples: list[Example], predictions: dict[str, dict], db_root, executor,

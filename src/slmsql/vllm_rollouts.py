@@ -19,7 +19,8 @@ The log-prob gap: TRL recomputes the policy's log-probs of the sampled tokens, l
 `sampling/sampling_logp_difference/{mean,max}` and weights the loss by its importance-sampling correction
 (`vllm_importance_sampling_*`, on by default) only when `use_vllm` is set, and it builds its own engine when
 `args.use_vllm` is set. So the trainer here sets `use_vllm` after TRL's init: TRL measures these rollouts as it
-measures its own. The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
+measures its own. The checks TRL's init makes on `use_vllm` are skipped that way, so `trl_vllm_checks` makes them
+before any model loads (tests/test_vllm_grpo.py reads TRL's init for any it would miss). The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
 
 A LoRA that sits on merged adapters (`--adapter-mode stack`, or a continued adapter that was itself stacked) is
 served on that merge, saved once into the work folder.
@@ -27,7 +28,9 @@ served on that merge, saved once into the work folder.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -59,6 +62,7 @@ def check(cfg, world_size: int) -> None:
                           "use_vllm=true vllm_mode=server) on GPUs")
     if cfg.trainer_args.get("use_vllm"):
         raise SlmsqlError("--backend vllm and --trainer-args use_vllm=true both generate with vLLM: choose one")
+    trl_vllm_checks(cfg.trainer_args)
     vllm_engine.check(cfg, cfg.sampling())
 
 
@@ -71,9 +75,10 @@ def generation_batch(args) -> tuple[int, int]:
 
 def sleeps(cfg) -> bool:
     """Whether the engine sleeps between rollouts on a GPU (vLLM's sleep mode: its memory free for the update
-    step, at the cost of moving the weights back): on unless `--trainer-args vllm_enable_sleep_mode=false`,
-    TRL's own switch for its engines. A CPU engine has no sleep mode."""
-    return bool(cfg.trainer_args.get("vllm_enable_sleep_mode", True))
+    step, at the cost of moving the weights back): `--trainer-args vllm_enable_sleep_mode=true`, TRL's own switch
+    for its engines, off by default as in TRL (never yet run on a GPU here: bench/README.md's GPU checks). A CPU
+    engine has no sleep mode."""
+    return bool(cfg.trainer_args.get("vllm_enable_sleep_mode", False))
 
 
 def memory_estimate(cfg, args, longest: int, *, gpu: int, dtype: str):
@@ -126,6 +131,22 @@ def preflight(cfg, args, longest: int) -> str:
                           "(per_device_train_batch_size, steps_per_generation), max_completion_length or the "
                           "prompts (docs/vllm.md)")
     return f"vLLM rollout engine, estimated: {est.describe()}; sleeps between rollouts: {sleeps(cfg)}"
+VESPO = ("--backend vllm with --trainer-args loss_type=vespo: VESPO needs TRL's token-level importance sampling "
+         "(vllm_importance_sampling_mode=token_truncate or token_mask; TRL's default is {mode}) or the correction off "
+         "(vllm_importance_sampling_correction=false); TRL's GRPOTrainer refuses the rest")
+
+
+def trl_vllm_checks(trainer_args: dict) -> None:
+    """The refusals GRPOTrainer.__init__ makes when `use_vllm` is set (TRL 1.16: VESPO's importance-sampling mode),
+    which this trainer skips by setting `use_vllm` after that init (module docstring)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    value = {f.name: f.default for f in dataclasses.fields(GRPOConfig)} | trainer_args
+    if (value["loss_type"] == "vespo" and value["vllm_importance_sampling_correction"]
+            and value["vllm_importance_sampling_mode"] not in ("token_truncate", "token_mask")):
+        raise SlmsqlError(VESPO.format(mode=value["vllm_importance_sampling_mode"]))
 
 
 def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
@@ -144,6 +165,29 @@ def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
     merged.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@contextlib.contextmanager
+def global_rngs_kept():
+    """Python's, NumPy's and torch's global generators (CPU and every GPU) as they were before the block: vLLM seeds
+    them all with its `seed` when its engine starts (vllm.utils.torch_utils.set_random_seed), which in this process
+    would overwrite the trainer's state, e.g. the one `--resume` has just restored from the checkpoint. The rollouts
+    do not need it: every request carries its own seed."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.random.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class Rollouts:
@@ -191,7 +235,8 @@ class Rollouts:
         if torch.cuda.is_available():  # the trainer shares the GPU: TRL's own share for a colocated engine
             extra["gpu_memory_utilization"] = t.args.vllm_gpu_memory_utilization
             extra["enable_sleep_mode"] = self.sleeps = sleeps(self.cfg)
-        engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
+        with global_rngs_kept():
+            engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
         return engine
 
     def __call__(self, prompts: list, trainer) -> dict:
@@ -231,7 +276,16 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        """The adapter copies and the merged base are the engine's alone: gone with it."""
+        """The engine shut down and dropped, so that its memory (on a GPU, its share of it) is back for whatever this
+        process runs next (another run, a sweep's next cell); the adapter copies and the merged base are the engine's
+        alone: gone with it."""
+        engine, self.engine, self.lora = self.engine, None, None
+        if engine is not None:
+            # vLLM's own teardown of an in-process engine (executor, distributed state, cached memory; it also undoes
+            # the gc.freeze of the engine's start, without which its objects are never collected)
+            engine.llm.llm_engine.engine_core.shutdown()
+            del engine
+            gc.collect()
         shutil.rmtree(self.folder, ignore_errors=True)
         if self.base != self.cfg.model:
             shutil.rmtree(self.base, ignore_errors=True)
@@ -253,12 +307,6 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
         return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
                                  **trainer_cls.keywords)
 
-    from transformers import TrainerCallback
-
-    class CloseAtEnd(TrainerCallback):
-        def on_train_end(self, args, state, control, **kwargs):
-            rollouts.close()
-
     class VllmRolloutTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, rollout_func=rollouts, **kwargs)
@@ -266,6 +314,11 @@ def trainer_class(trainer_cls, rollouts: Rollouts):
             # measures and corrects these rollouts as it does its own vLLM's (module docstring)
             self.use_vllm, self._last_loaded_step = True, -1
             self.vllm_generation = rollouts.bind(self)
-            self.add_callback(CloseAtEnd())
+
+        def train(self, *args, **kwargs):
+            try:
+                return super().train(*args, **kwargs)
+            finally:  # at the end of training, or a crash: the engine is not kept for the trainer's lifetime
+                rollouts.close()
 
     return VllmRolloutTrainer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from .rewards import REGISTRY as REWARDS, describe as describe_reward
 from .tracking import STAT_DIGITS, numeric
 
 OUTCOME_STATUSES = ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql", "missing",
@@ -37,6 +38,7 @@ PLACEHOLDERS = {
     "<signal>": "|".join(map(re.escape, SIGNAL)),
     "<ds metric>": "groups_sampled|groups_kept|groups_dropped|groups_filled|extra_rounds",
     "<is stat>": "min|mean|max",
+    "<reward>": "|".join(REWARDS),
 }
 VOCABULARY = [
     ("ex", ("evaluate",), "execution accuracy: share of questions whose predicted SQL returns the gold result"),
@@ -77,6 +79,10 @@ VOCABULARY = [
     ("0_signal/<signal>", ("grpo",), "`reward`, `reward_std`, `frac_reward_zero_std` and "
      "`exec/frac_groups_correctness_varies` again, per step, named so that the MLflow UI draws their charts first "
      "(it orders chart sections by name); `clip_ratio/*` are logged only once they leave their first value"),
+    ("rewards/<reward>/mean", ("grpo",),
+     "per step, the mean over the sampled completions of one reward of `--rewards`, unweighted (TRL; `/std` its "
+     "standard deviation). " + " ".join(f"`{n}`: {describe_reward(n)}" for n in REWARDS)),
+    ("rewards/<reward>/std", ("grpo",), "per step, the standard deviation of that reward over the completions (TRL)"),
     ("frac_reward_zero_std", ("grpo",), "share of groups whose completions all got one reward: no gradient (TRL)"),
     ("exec/frac_groups_correctness_varies", ("grpo",),
      "share of groups holding both right and wrong SQL: the signal about correctness"),

@@ -24,6 +24,15 @@ from ..outputs import Staged
 log = logging.getLogger(__name__)
 
 
+# GRPO trains with every dropout module off (TRL's disable_dropout, set below on both backends): with dropout on, the
+# old policy's log-probs that TRL takes in a separate pass (--backend vllm's importance-sampling correction,
+# num_iterations > 1) draw other masks than the loss's, so the importance ratio is dropout noise, not 1; and the
+# two backends would optimize different objectives (docs/stages/grpo.md, "Dropout").
+DROPOUT_ON = ("trainer_args disable_dropout=false: GRPO trains with dropout off on both backends (TRL's old-policy "
+              "log-probs, taken in a separate pass, would see other dropout masks than the loss and the importance "
+              "ratio would measure dropout noise); remove it (docs/stages/grpo.md)")
+
+
 def check_args(cfg: GRPOStageConfig, examples) -> None:
     from .. import distributed, grpo_variants, vllm_rollouts
     from ..rewards import check
@@ -31,6 +40,8 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
     check(cfg.rewards, cfg.reward_weights)
     grpo_variants.check(cfg, world_size=distributed.world_size())
     vllm_rollouts.check(cfg, world_size=distributed.world_size())
+    if "disable_dropout" in cfg.trainer_args and not cfg.trainer_args["disable_dropout"]:
+        raise SlmsqlError(DROPOUT_ON)
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
@@ -72,7 +83,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     # initialises the process group, which the output folder and the run below coordinate through
     args = training.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
-        gradient_checkpointing=False)
+        gradient_checkpointing=False, disable_dropout=True)  # DROPOUT_ON: the new LoRA's and a continued one's
     if note := vllm_rollouts.preflight(cfg, args, token_metrics["tokens/prompt_max"]):  # refuses what cannot fit
         log.info(note)
     # adapter_mode only means something with a base adapter: no tag (the card reads "none") rather than one
