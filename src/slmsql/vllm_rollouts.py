@@ -149,6 +149,19 @@ def trl_vllm_checks(trainer_args: dict) -> None:
         raise SlmsqlError(VESPO.format(mode=value["vllm_importance_sampling_mode"]))
 
 
+def lora_digest(model) -> str:
+    """sha256 of the model's LoRA tensors as they are now (names and values): which policy an adapter is. A few MB
+    at the recipes' ranks, hashed in milliseconds on a CPU, once at each sync and once at each rollout."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
     """The model the engine serves the LoRA on: cfg.model, or the adapters beneath the LoRA merged into it and saved
     under `work` (`merged`, `tokenizer`: that merge, where the stage has it loaded already)."""
@@ -198,6 +211,7 @@ class Rollouts:
         self.folder = Path(work) / "vllm-lora"
         self.engine = self.lora = self.trainer = None
         self.lora_id, self.step, self.seen = 0, None, Counter()
+        self.served: dict[int, tuple[int, str]] = {}  # LoRARequest id -> (trainer step, lora_digest) it carried
         self.sleeps = False  # between rollouts the engine sleeps (GPU only: `sleeps`)
 
     def bind(self, trainer):
@@ -212,6 +226,7 @@ class Rollouts:
         self.lora_id += 1
         folder = self.folder / str(self.lora_id)
         model.save_pretrained(str(folder), selected_adapters=["default"])
+        self.served = {self.lora_id: (self.trainer.state.global_step, lora_digest(model))}
         if self.engine is None:
             self.engine = self._start(model.peft_config["default"].r)
         old, self.lora = self.lora, LoRARequest(f"policy-{self.lora_id}", self.lora_id, str(folder))
@@ -267,6 +282,8 @@ class Rollouts:
                                         use_tqdm=False)
         if self.sleeps:  # level 1: weights to CPU memory, KV cache dropped, the GPU free for the update
             self.engine.llm.sleep(level=1)
+        step = self.policy_step({r.lora_request.lora_int_id if r.lora_request else None for r in done}, t)
+        t._metrics["train" if t.model.training else "eval"]["rollout/policy_step"].append(step)
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for group, request in zip(groups, done):  # returned in input order
             for c in request.outputs:
@@ -274,6 +291,21 @@ class Rollouts:
                 out["completion_ids"].append(list(c.token_ids))
                 out["logprobs"].append([lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs)])
         return out
+
+    def policy_step(self, used: set, trainer) -> int:
+        """The trainer step whose adapter the engine sampled with, read from the LoRARequest that vLLM's outputs name;
+        refused unless that adapter is the policy as it is now (its step and its weights' digest): a stale adapter
+        would train on another policy's samples, which no log-prob gap shows at small learning rates."""
+        (lora_id,) = used if len(used) == 1 else (None,)
+        if lora_id not in self.served:
+            raise SlmsqlError(f"rollouts: the engine sampled with LoRA {sorted(map(str, used))}, not the one this "
+                              f"run served last ({sorted(self.served)})")
+        step, digest = self.served[lora_id]
+        now = trainer.state.global_step
+        if step != now or digest != lora_digest(trainer.accelerator.unwrap_model(trainer.model)):
+            raise SlmsqlError(f"rollouts: the engine sampled with the adapter of step {step} while the policy is at "
+                              f"step {now} (its weights changed since): a stale adapter, the run stops")
+        return step
 
     def close(self) -> None:
         """The engine shut down and dropped, so that its memory (on a GPU, its share of it) is back for whatever this
