@@ -137,8 +137,11 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     probes = []
     rollout = vllm_rollouts.Rollouts.__call__
 
+    digests = []
+
     def probed(self, prompts, trainer):  # after TRL's sync for this step, before the rollout trains anything
         probes.append(_greedy_both(self, trainer, prompts[::4]))
+        digests.append(vllm_rollouts.lora_digest(trainer.accelerator.unwrap_model(trainer.model)))
         return rollout(self, prompts, trainer)
 
     monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
@@ -153,12 +156,17 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     monkeypatch.setattr(vllm_rollouts.Rollouts, "close", checked_close)
     start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
     steps = 4 if mode == "fresh" else 2
+    # ngram beside the outcome rewards: sampled completions that differ get different rewards, so every step has a
+    # gradient whatever this machine's floats make the policy answer (an all-alike band would leave the LoRA still)
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
-                   learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps, **start)
+                   learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps,
+                   rewards=["execution", "format", "ngram"], **start)
     assert grpo.main(cfg)["steps"] == steps
     assert len(probes) == steps and freed == [True]
     for step, (engine, own) in enumerate(probes):
         assert engine == own, f"step {step}: the engine's greedy answers are not the policy's"
+    # the policy moved in every mode (what the engine must follow), not only from a fresh LoRA
+    assert digests[0] != digests[-1], "the LoRA never changed: nothing for the engine to follow"
     if mode == "fresh":  # the swap is real: the policy's answers moved, and the engine's with them
         assert probes[-1][1] != probes[0][1]
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
@@ -166,8 +174,45 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     gap = _history(run.info.run_id, "sampling/sampling_logp_difference/max")
     assert [s for s, _ in gap] == list(range(1, steps + 1))
     assert all(v < GAP for _, v in gap), gap
+    # the adapter the engine sampled each step with, as vLLM's outputs name it: that step's policy, never an older one
+    assert _history(run.info.run_id, "rollout/policy_step") == [(s, s - 1.0) for s in range(1, steps + 1)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "README.md", "adapter", "checkpoint-" + str(steps), "completions", "summary.json"]  # no engine files left
+
+
+@pytest.mark.slow
+def test_a_stale_adapter_stops_the_run(policy, tmp_path, monkeypatch, vllm_ready):
+    """The break check of rollout/policy_step: an engine left on the first step's LoRA (its sync skipped after the
+    first) is caught at the next rollout, by the adapter vLLM reports it used, not by a log-prob gap."""
+    from slmsql.errors import SlmsqlError
+
+    sync = vllm_rollouts.Rollouts.sync_weights
+
+    def first_only(self):
+        if self.engine is None:
+            sync(self)
+
+    monkeypatch.setattr(vllm_rollouts.Rollouts, "sync_weights", first_only)
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
+                   learning_rate=0.05, lora_dropout=0.0, max_steps=2, save_steps=2)
+    with pytest.raises(SlmsqlError, match="adapter of step 0 while the policy is at step 1"):
+        grpo.main(cfg)
+
+
+@pytest.mark.slow
+def test_policy_step_from_the_command_line(policy, tmp_path, vllm_ready):
+    """`slmsql grpo --backend vllm` in a new process: every step's rollouts came from that step's policy."""
+    band = band_file(policy, tmp_path / "band.jsonl")
+    args = {"data": band, "db-root": policy.db_root, "model": policy.model, "output-dir": tmp_path / "out",
+            "backend": "vllm", "num-generations": 4, "per-device-train-batch-size": 8, "max-completion-length": 16,
+            "max-steps": 2, "save-steps": 2, "workers": 1, "lora-r": 8, "lora-alpha": 16, "learning-rate": 0.05,
+            "experiment": "cli"}
+    done = subprocess.run([sys.executable, "-m", "slmsql.cli", "grpo",
+                           *[a for k, v in args.items() for a in (f"--{k}", str(v))]],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = mlflow.search_runs(experiment_names=["cli"], output_format="list")
+    assert _history(run.info.run_id, "rollout/policy_step") == [(1, 0.0), (2, 1.0)]
 
 
 @pytest.fixture(scope="module")

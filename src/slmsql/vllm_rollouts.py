@@ -66,6 +66,71 @@ def check(cfg, world_size: int) -> None:
     vllm_engine.check(cfg, cfg.sampling())
 
 
+def generation_batch(args) -> tuple[int, int]:
+    """(prompts, samples per prompt) of one TRL generation batch on this process (a resolved GRPOConfig):
+    per_device_train_batch_size x steps_per_generation completions in groups of num_generations."""
+    k = args.num_generations
+    return args.per_device_train_batch_size * args.steps_per_generation // k, k
+
+
+def sleeps(cfg) -> bool:
+    """Whether the engine sleeps between rollouts on a GPU (vLLM's sleep mode: its memory free for the update
+    step, at the cost of moving the weights back): `--trainer-args vllm_enable_sleep_mode=true`, TRL's own switch
+    for its engines, off by default as in TRL (never yet run on a GPU here: bench/README.md's GPU checks). A CPU
+    engine has no sleep mode."""
+    return bool(cfg.trainer_args.get("vllm_enable_sleep_mode", False))
+
+
+def memory_estimate(cfg, args, longest: int, *, gpu: int, dtype: str):
+    """vllm_memory.Estimate of this run's engine (`args`: the resolved GRPOConfig; `longest`: the longest
+    prompt in tokens) on a GPU of `gpu` bytes, in `dtype`: the model's facts from its config.json."""
+    import torch
+    from transformers import AutoConfig
+
+    from . import vllm_engine, vllm_memory
+
+    prompts, k = generation_batch(args)
+    need = max(longest, 1) + args.max_completion_length
+    sizes = vllm_engine.sizing(prompts=prompts, samples=k, longest=longest, need=need, chunked=True)
+    return vllm_memory.estimate(
+        AutoConfig.from_pretrained(cfg.model), dtype_bytes=getattr(torch, dtype).itemsize,
+        lora_rank=vllm_engine._lora_rank(lora_rank(cfg)), sizes=sizes, prompts=prompts, samples=k,
+        longest=longest, new_tokens=args.max_completion_length, gpu=gpu,
+        utilization=args.vllm_gpu_memory_utilization)
+
+
+def lora_rank(cfg) -> int:
+    """The rank of the LoRA the engine serves: the new one's, or the continued adapter's."""
+    if cfg.base_adapter and cfg.adapter_mode == "continue":
+        from peft import PeftConfig
+
+        from .models import adapter_folder
+
+        return PeftConfig.from_pretrained(str(adapter_folder(cfg.base_adapter))).r
+    return cfg.lora_r
+
+
+def preflight(cfg, args, longest: int) -> str:
+    """--backend vllm: the engine's GPU memory estimated before any model loads and refused with the numbers when
+    it exceeds its share; returns what was found, to log. On a CPU the check is skipped (vLLM's CPU engine
+    takes VLLM_CPU_KVCACHE_SPACE GiB of RAM for its cache and profiles nothing), and so is sleeping."""
+    if cfg.backend != "vllm":
+        return ""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("vLLM rollout engine: no GPU, so its memory preflight and its sleep between rollouts are skipped "
+                "(the CPU engine's cache is VLLM_CPU_KVCACHE_SPACE GiB of RAM)")
+    from .models import dtype_name
+
+    est = memory_estimate(cfg, args, longest, gpu=torch.cuda.get_device_properties(0).total_memory,
+                          dtype=dtype_name(cfg.dtype, "cuda"))
+    if not est.fits():
+        raise SlmsqlError(f"--backend vllm: the rollout engine does not fit its share of the GPU: {est.describe()}. "
+                          "Raise --trainer-args vllm_gpu_memory_utilization=..., or shrink a generation batch "
+                          "(per_device_train_batch_size, steps_per_generation), max_completion_length or the "
+                          "prompts (docs/vllm.md)")
+    return f"vLLM rollout engine, estimated: {est.describe()}; sleeps between rollouts: {sleeps(cfg)}"
 VESPO = ("--backend vllm with --trainer-args loss_type=vespo: VESPO needs TRL's token-level importance sampling "
          "(vllm_importance_sampling_mode=token_truncate or token_mask; TRL's default is {mode}) or the correction off "
          "(vllm_importance_sampling_correction=false); TRL's GRPOTrainer refuses the rest")
@@ -82,6 +147,19 @@ def trl_vllm_checks(trainer_args: dict) -> None:
     if (value["loss_type"] == "vespo" and value["vllm_importance_sampling_correction"]
             and value["vllm_importance_sampling_mode"] not in ("token_truncate", "token_mask")):
         raise SlmsqlError(VESPO.format(mode=value["vllm_importance_sampling_mode"]))
+
+
+def lora_digest(model) -> str:
+    """sha256 of the model's LoRA tensors as they are now (names and values): which policy an adapter is. A few MB
+    at the recipes' ranks, hashed in milliseconds on a CPU, once at each sync and once at each rollout."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def engine_base(cfg, work: Path, merged=None, tokenizer=None) -> str:
@@ -133,6 +211,8 @@ class Rollouts:
         self.folder = Path(work) / "vllm-lora"
         self.engine = self.lora = self.trainer = None
         self.lora_id, self.step, self.seen = 0, None, Counter()
+        self.served: dict[int, tuple[int, str]] = {}  # LoRARequest id -> (trainer step, lora_digest) it carried
+        self.sleeps = False  # between rollouts the engine sleeps (GPU only: `sleeps`)
 
     def bind(self, trainer):
         self.trainer = trainer
@@ -146,6 +226,7 @@ class Rollouts:
         self.lora_id += 1
         folder = self.folder / str(self.lora_id)
         model.save_pretrained(str(folder), selected_adapters=["default"])
+        self.served = {self.lora_id: (self.trainer.state.global_step, lora_digest(model))}
         if self.engine is None:
             self.engine = self._start(model.peft_config["default"].r)
         old, self.lora = self.lora, LoRARequest(f"policy-{self.lora_id}", self.lora_id, str(folder))
@@ -160,14 +241,15 @@ class Rollouts:
         from . import vllm_engine
 
         t = self.trainer
-        sequences = t.args.per_device_train_batch_size * t.args.steps_per_generation
-        # vllm_engine.load's view of this run: the engine's base, the completion budget, a whole generation batch
-        # of sequences at once (seeded requests need it, see load), the seed and precision
+        prompts, k = generation_batch(t.args)
+        # vllm_engine.load's view of this run: the engine's base, the completion budget, one generation batch (its
+        # prompts, each one request of K samples: vllm_engine.sizing), the seed and precision
         view = types.SimpleNamespace(model=self.base, adapter="", max_new_tokens=t.max_completion_length,
-                                     batch_size=sequences, seed=self.cfg.seed, dtype=self.cfg.dtype)
+                                     batch_size=prompts, k=k, seed=self.cfg.seed, dtype=self.cfg.dtype)
         extra = dict(enable_lora=True, max_lora_rank=vllm_engine._lora_rank(rank), logprobs_mode="processed_logprobs")
         if torch.cuda.is_available():  # the trainer shares the GPU: TRL's own share for a colocated engine
             extra["gpu_memory_utilization"] = t.args.vllm_gpu_memory_utilization
+            extra["enable_sleep_mode"] = self.sleeps = sleeps(self.cfg)
         with global_rngs_kept():
             engine, _ = vllm_engine.load(view, self.longest, self.tokenizer, **extra)
         return engine
@@ -194,8 +276,14 @@ class Rollouts:
                 repetition_penalty=t.repetition_penalty, max_new_tokens=t.max_completion_length,
                 stop_ids=t.eos_token_ids, seed=sample_seed(self.cfg.seed, key, 0), logprobs=0,
                 **(t.args.generation_kwargs or {})))
+        if self.sleeps:
+            self.engine.llm.wake_up()
         done = self.engine.llm.generate([{"prompt_token_ids": g} for g in groups], params, lora_request=self.lora,
                                         use_tqdm=False)
+        if self.sleeps:  # level 1: weights to CPU memory, KV cache dropped, the GPU free for the update
+            self.engine.llm.sleep(level=1)
+        step = self.policy_step({r.lora_request.lora_int_id if r.lora_request else None for r in done}, t)
+        t._metrics["train" if t.model.training else "eval"]["rollout/policy_step"].append(step)
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for group, request in zip(groups, done):  # returned in input order
             for c in request.outputs:
@@ -203,6 +291,21 @@ class Rollouts:
                 out["completion_ids"].append(list(c.token_ids))
                 out["logprobs"].append([lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs)])
         return out
+
+    def policy_step(self, used: set, trainer) -> int:
+        """The trainer step whose adapter the engine sampled with, read from the LoRARequest that vLLM's outputs name;
+        refused unless that adapter is the policy as it is now (its step and its weights' digest): a stale adapter
+        would train on another policy's samples, which no log-prob gap shows at small learning rates."""
+        (lora_id,) = used if len(used) == 1 else (None,)
+        if lora_id not in self.served:
+            raise SlmsqlError(f"rollouts: the engine sampled with LoRA {sorted(map(str, used))}, not the one this "
+                              f"run served last ({sorted(self.served)})")
+        step, digest = self.served[lora_id]
+        now = trainer.state.global_step
+        if step != now or digest != lora_digest(trainer.accelerator.unwrap_model(trainer.model)):
+            raise SlmsqlError(f"rollouts: the engine sampled with the adapter of step {step} while the policy is at "
+                              f"step {now} (its weights changed since): a stale adapter, the run stops")
+        return step
 
     def close(self) -> None:
         """The engine shut down and dropped, so that its memory (on a GPU, its share of it) is back for whatever this

@@ -91,6 +91,9 @@ VOCABULARY = [
      "the extra generation rounds it took"),
     ("advantage_gate/frac_groups_zeroed", ("grpo",),
      "`--advantage-gate correctness`: share of groups whose advantages were zeroed (no correctness variance)"),
+    ("rollout/policy_step", ("grpo",),
+     "`--backend vllm`: the trainer step whose LoRA the engine sampled this step's rollouts with, read from the "
+     "adapter vLLM's outputs name; the run stops if it is not the policy's current step and weights"),
     ("sampling/sampling_logp_difference/mean", ("grpo",),
      "`--backend vllm`, per step: mean over the sampled tokens of |log-prob under the policy being trained - "
      "log-prob the vLLM engine sampled it with| (TRL's; 0 up to float error when the engine serves that policy)"),

@@ -84,6 +84,8 @@ def main(cfg: GRPOStageConfig) -> dict:
     args = training.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
         gradient_checkpointing=False, disable_dropout=True)  # DROPOUT_ON: the new LoRA's and a continued one's
+    if note := vllm_rollouts.preflight(cfg, args, token_metrics["tokens/prompt_max"]):  # refuses what cannot fit
+        log.info(note)
     # adapter_mode only means something with a base adapter: no tag (the card reads "none") rather than one
     # that contradicts the param (its default)
     tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter),
