@@ -952,3 +952,58 @@ def test_cli_help_says_what_a_dry_run_does():
                   "the alias 'dry-run' (never --alias)", "not loaded to check it", "no local base is copied into "
                   "MLflow", "Registry alias for the pushed version (a dry run's takes 'dry-run')"):
         assert words in text, words
+
+
+# ---- an installed wheel (not editable), outside a checkout -------------------------------------------------------
+
+@pytest.mark.slow  # builds the wheel and installs it (~30 s)
+def test_an_installed_wheel_validates_and_publishes_outside_a_checkout(store, tmp_path):
+    """`pip wheel .`, the wheel installed with --no-deps --target into a folder of its own and run from another:
+    the card's templates and the data-check suites travel in it (found with importlib.resources, no
+    SLMSQL_DATA_CHECKS), and `pipeline`, which runs a checkout's MLproject, says so before any run or output."""
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "checkout"  # the tracked tree, so that the build writes nothing into the real one
+    shutil.copytree(root, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".cache", "outputs", "mlruns", "site", "mlflow.db", "__pycache__", "*.egg-info", "build"))
+    pip = [sys.executable, "-m", "pip", "-q"]
+    done = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel, = (tmp_path / "dist").glob("slmsql-*.whl")
+    site = tmp_path / "site"
+    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("model_card/README.md.j2", "model_card/base.md.j2", "data_checks/rl.json", "data_checks/eval.json"):
+        assert (site / "slmsql" / name).is_file() and not (site / "slmsql" / name).is_symlink(), name
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "SLMSQL_DATA_CHECKS"}, "PYTHONPATH": str(site)}
+
+    def slmsql(*args):
+        return subprocess.run([sys.executable, "-m", "slmsql.cli", *args], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    where = subprocess.run([sys.executable, "-c", "import slmsql; print(slmsql.__file__)"], cwd=elsewhere, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel, not the checkout
+    assert slmsql("toy", "--output-dir", "toy").returncode == 0
+    done = slmsql("validate", "--kind", "eval", "--data", "toy/dev.jsonl", "--db-root", "toy/databases",
+                  "--output-dir", "checks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = slmsql(*cli_args(config(store, tmp_path)), "--dry-run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert front_matter(card)["base_model"] == BASE and "## " in card  # rendered from the wheel's template
+    import mlflow
+
+    client = mlflow.MlflowClient()
+
+    def runs() -> int:
+        return len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+
+    before = runs()
+    done = slmsql("pipeline", "--output-dir", "pipe")
+    assert done.returncode == 2 and "from a checkout of slmsql" in done.stderr and "Traceback" not in done.stderr
+    assert not (elsewhere / "pipe").exists() and runs() == before  # refused before any output or run

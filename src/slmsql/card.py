@@ -14,6 +14,7 @@ import dataclasses
 import math
 import shlex
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from . import configs
@@ -22,7 +23,7 @@ from .hub import hub_id, same_model
 from .tracking import portable
 from .wording import duration, pct, points, pts, pval
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_card"
+TEMPLATE_DIR = Path(str(resources.files("slmsql") / "model_card"))  # model_card/, which the package carries
 VERDICTS = ("improved", "regressed", "no significant difference")
 TELEMETRY = [  # (summary metric, per-step metric, label, what it means)
     ("summary/frac_reward_zero_std", "frac_reward_zero_std", "frac_reward_zero_std",

@@ -32,9 +32,12 @@ N_EXAMPLES = 5
 
 # ------------------------------------------------------------------------------------------------ suites
 def suites_dir() -> Path:
-    """data_checks/ at the repository root (SLMSQL_DATA_CHECKS overrides, e.g. for an installed package)."""
+    """The suites: data_checks/ as the package carries it (in a checkout, a link to the top-level folder);
+    SLMSQL_DATA_CHECKS names another folder."""
+    from importlib import resources
+
     env = os.environ.get("SLMSQL_DATA_CHECKS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "data_checks"
+    return Path(env) if env else Path(str(resources.files("slmsql") / "data_checks"))
 
 
 def load_suite(kind: str) -> dict:
@@ -42,7 +45,7 @@ def load_suite(kind: str) -> dict:
         raise SlmsqlError(f"unknown suite {kind!r}; known: {list(KINDS)}")
     path = suites_dir() / f"{kind}.json"
     if not path.is_file():
-        raise SlmsqlError(f"suite file {path} not found (set SLMSQL_DATA_CHECKS to the data_checks folder)")
+        raise SlmsqlError(f"suite file {path} not found (set SLMSQL_DATA_CHECKS to a data_checks folder)")
     try:
         suite = json.loads(path.read_text())
     except json.JSONDecodeError as e:

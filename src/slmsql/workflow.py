@@ -27,9 +27,13 @@ def code_version() -> str:
     template and the installed versions of the package's dependencies (a TRL or torch upgrade changes what
     training computes). A reused step must have been produced by this code."""
     h = hashlib.sha256()
-    files = [*PACKAGE.rglob("*.py"), *(ROOT / "data_checks").glob("*.json"), *(ROOT / "model_card").glob("*")]
+    # the suites and the card's templates as the package carries them (in a checkout: links to the top-level
+    # folders), named as they were when they were read from there, so a checkout's version is unchanged
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE / "data_checks").glob("*.json"), *(PACKAGE / "model_card").glob("*")]
     for f in sorted(f for f in files if f.is_file() and "__pycache__" not in f.parts):
-        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+        name = f.relative_to(PACKAGE)
+        name = name if name.parts[0] in ("data_checks", "model_card") else Path("src", "slmsql", name)
+        h.update(str(name).encode() + b"\0" + f.read_bytes())
     h.update(dependency_versions().encode())
     return h.hexdigest()[:12]
 
@@ -72,9 +76,17 @@ def stage_config(stage: str, values: dict) -> dict:
 
 
 def use_this_cli() -> None:
-    """`mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds."""
+    """`mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds. The steps
+    are entry points of slmsql's MLproject, which a checkout has and an installed wheel does not: refused there,
+    before any run or output, saying so."""
     import os
     import sys
+
+    if not (ROOT / "MLproject").is_file():
+        raise SlmsqlError(f"pipeline and sweep run each step as `mlflow run` of slmsql's MLproject, which is not "
+                          f"beside this installed package ({PACKAGE}): run them from a checkout of slmsql (git "
+                          "clone, then pip install -e .), or run the stages one by one (slmsql toy, sft, filter, "
+                          "grpo, evaluate, publish), which need no checkout")
 
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
