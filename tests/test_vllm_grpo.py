@@ -87,6 +87,7 @@ def test_every_check_trls_init_makes_on_use_vllm_is_mirrored():
     assert refusals == mirrored, f"TRL's init refuses on use_vllm where slmsql does not check: {refusals - mirrored}"
 
 
+@pytest.mark.slow  # the same CLI path as test_full_weights_refused_from_the_command_line (fast), another refusal
 def test_trl_check_refused_from_the_command_line(paths, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--trainer-args", "loss_type=vespo",
