@@ -488,6 +488,7 @@ def test_endpoint_option_routes_the_push(store, hub, other_hub, tmp_path, monkey
     assert tags["slmsql.hub_url"] == f"{hub.url}/{REPO}"
 
 
+@pytest.mark.slow  # a fresh publish process (~8 s): the fast tier keeps the in-process pushes
 def test_hf_endpoint_env_routes_the_push(store, hub, tmp_path):
     """HF_ENDPOINT with no --endpoint. huggingface_hub reads HF_ENDPOINT once, at import, into
     constants.ENDPOINT; setting it in this process (where the library is already imported) would change
