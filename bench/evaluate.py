@@ -1,8 +1,8 @@
 """Evaluation throughput: batched greedy generation vs one prompt at a time, same outputs, in one run.
 
-Builds its own toy world (`slmsql.toyworld`) and, unless `--model` is given, the embedded tiny model
-(`slmsql.models.build_tiny_model`, tokenizer trained on the toy world's sft texts) in a temp dir, renders
-`--n` dev questions as prompts (`PromptBuilder` + `render_prompt`), then times `slmsql.generation.generate`
+Builds its own toy world (`slmsql.toy.world`) and, unless `--model` is given, the embedded tiny model
+(`slmsql.toy.tiny_model.build_tiny_model`, tokenizer trained on the toy world's sft texts) in a temp dir, renders
+`--n` dev questions as prompts (`PromptBuilder` + `render_prompt`), then times `slmsql.generation.sampling.generate`
 with `batch_size=1` and with `--batch-size`, greedy both times, on the same prompts, after one warm-up call.
 The two runs must produce identical completions: the tiny model runs in fp32, where left padding changes
 no argmax, so a mismatch there is a bug and the script exits 1. A `--model` in bf16 on a GPU may legitimately
@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from slmsql.configs import TinyModelConfig
-from slmsql.data import read_gold
-from slmsql.models import build_tiny_model, load_model
-from slmsql.prompts import PromptBuilder, render_prompt
-from slmsql.generation import generate
+from slmsql.inputs.data import read_gold
+from slmsql.policy.models import load_model
+from slmsql.toy.tiny_model import build_tiny_model
+from slmsql.inputs.prompts import PromptBuilder, render_prompt
+from slmsql.generation.sampling import generate
 from slmsql.stages.tiny_model import training_texts
-from slmsql.toyworld import generate as make_toy
+from slmsql.toy.world import generate as make_toy
 
 
 def build_world(root: Path, model: str, seed: int) -> tuple[Path, str]:

@@ -1,10 +1,10 @@
 """Filter throughput: the local engine vs the Ray engine with 1 and 2 workers, on the same toy questions.
 
-Builds its own toy world (`slmsql.toyworld`) and, unless `--model` is given, the embedded tiny model
+Builds its own toy world (`slmsql.toy.world`) and, unless `--model` is given, the embedded tiny model
 (untrained: it almost never emits its end token, so every completion runs to `--max-new-tokens` and nearly
 none holds SQL: the work is generation-bound, like the real filter on GPUs; pass a trained policy, e.g.
 `--model outputs/sft` after `make demo`, for completions that execute). Then it runs the filter's engine
-(`slmsql.engines.run` with the filter's work, exactly what `slmsql filter` runs between reading its input
+(`slmsql.generation.engines.run` with the filter's work, exactly what `slmsql filter` runs between reading its input
 and bucketing; not the MLflow logging and data check around it, the same for every engine) on `--n`
 rl_source questions with K = `--k`, once per arm:
 
@@ -35,9 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate import build_world  # noqa: E402  (the toy world + tiny model, as bench/evaluate.py builds them)
 
-from slmsql import configs, engines  # noqa: E402
-from slmsql.data import dumps, read_gold, read_jsonl, write_jsonl  # noqa: E402
-from slmsql.passrates import CHUNK  # noqa: E402
+from slmsql import configs
+from slmsql.generation import engines  # noqa: E402
+from slmsql.inputs.data import dumps, read_gold, read_jsonl, write_jsonl  # noqa: E402
+from slmsql.sql.passrates import CHUNK  # noqa: E402
 
 
 class _Identity:

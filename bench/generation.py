@@ -44,8 +44,11 @@ def main() -> None:
     ap.add_argument("--transformers-only", action="store_true", help="skip vLLM even where it is installed")
     args = ap.parse_args()
 
-    from slmsql import configs, generation, models, toyworld
-    from slmsql.data import read_gold
+    from slmsql import configs
+    from slmsql.generation import sampling as generation
+    from slmsql.policy import models
+    from slmsql.toy import world as toyworld
+    from slmsql.inputs.data import read_gold
 
     with tempfile.TemporaryDirectory() as tmp:
         world = Path(args.world) if args.world else Path(tmp) / "toy"
@@ -81,7 +84,7 @@ def main() -> None:
         modes.pop("sampled_prefill_per_row")  # vLLM: one request of n = K per prompt either way
 
         try:
-            from slmsql import vllm_engine
+            from slmsql.generation import vllm_engine
 
             if args.transformers_only:
                 raise RuntimeError("--transformers-only")

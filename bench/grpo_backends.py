@@ -33,7 +33,7 @@ RECIPE = ROOT / "recipes" / "smollm2-135m" / "grpo.yaml"
 
 def toy_questions(root: Path, n: int = 64) -> None:
     """The toy world at root/toy and its first n rl_source questions at root/rl.jsonl (the benches' GRPO data)."""
-    from slmsql import toyworld
+    from slmsql.toy import world as toyworld
 
     toyworld.generate(root / "toy", seed=0, size="small")
     questions = (root / "toy" / "rl_source.jsonl").read_text().splitlines(keepends=True)
@@ -120,7 +120,7 @@ def main(argv=None):
     import transformers
     import trl
 
-    from slmsql import vllm_engine
+    from slmsql.generation import vllm_engine
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results = {}

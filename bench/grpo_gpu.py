@@ -25,7 +25,7 @@ Arms (`--arms`, in this order):
   shared   recipe + slmsql's shared-prefix training and prefill (`slmsql grpo --shared-prefix true`, the default
            there; slmsql.shared_prefix): each prompt computed once per micro-batch. `recipe_over_shared_train` in the
            JSON is the update step's speed-up (train seconds, recipe over shared).
-  vllm-lora  recipe + slmsql's own vLLM rollouts (`slmsql grpo --backend vllm`, slmsql.vllm_rollouts): the LoRA
+  vllm-lora  recipe + slmsql's own vLLM rollouts (`slmsql grpo --backend vllm`, slmsql.generation.vllm_rollouts): the LoRA
            saved after every step and served as a new LoRARequest; needs vllm (on a CPU: a head size >= 32).
 An arm that fails (say, out of memory) is reported with its error and the others still run; the exit
 status is then 1. Asking for vllm without CUDA and vllm installed is refused up front (exit 2).
@@ -140,7 +140,7 @@ def arm_config(arm: str, out_dir: str, args, cuda: bool):
     from trl import GRPOConfig
 
     from slmsql import configs
-    from slmsql.training import device_args, lora_config
+    from slmsql.training.hf_trainer import device_args, lora_config
 
     work = dict(output_dir=out_dir, max_steps=args.warmup + args.steps, num_generations=args.generations,
                 max_completion_length=args.completion_len, seed=args.seed, logging_steps=1, save_strategy="no",
@@ -227,11 +227,11 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         clock = Clock(cuda)
         trainer_cls = GRPOTrainer
         if arm == "shared":  # as slmsql.stages.grpo.main builds it with --shared-prefix true
-            from slmsql import shared_prefix
+            from slmsql.generation import shared_prefix
 
             trainer_cls = shared_prefix.trainer_class(GRPOTrainer)
         if arm == "vllm-lora":  # as slmsql.stages.grpo.main builds it for --backend vllm
-            from slmsql import vllm_rollouts
+            from slmsql.generation import vllm_rollouts
 
             cfg = dataclasses.replace(cfg, model=model_path, backend="vllm", seed=args.seed)
             trainer_cls = vllm_rollouts.trainer_class(GRPOTrainer, vllm_rollouts.Rollouts(

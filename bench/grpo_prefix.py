@@ -62,7 +62,7 @@ class Tokens:
     def __call__(self, inputs):
         import torch
 
-        from slmsql.shared_prefix import Packing
+        from slmsql.generation.shared_prefix import Packing
 
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -103,7 +103,7 @@ def main(argv=None):
     from grpo_backends import run, toy_questions
 
     from slmsql import configs
-    from slmsql.models import load_tokenizer
+    from slmsql.policy.models import load_tokenizer
 
     overrides = {k: v for k, v in (("prompt_style", args.prompt_style), ("example_values", args.example_values))
                  if v not in ("", None)}

@@ -122,7 +122,7 @@ def plain_loop(root: Path, sft_run, steps: int, warmup: int = 3) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slmsql import configs
-    from slmsql.data import read_gold
+    from slmsql.inputs.data import read_gold
     from slmsql.stages.sft import conversations
 
     fields = {f for f in configs.SFTStageConfig.__dataclass_fields__}

@@ -1,6 +1,6 @@
 """What the shared-prefix self-check measures, per dtype: max |log p(shared) - log p(plain)| over the completion
 tokens of a micro-batch, beside the same statistic with a wrong mask (completions that see each other), on a real
-model. `slmsql.shared_prefix.TOLERANCE` is set between the two.
+model. `slmsql.generation.shared_prefix.TOLERANCE` is set between the two.
 
 Micro-batches: 3 prompts of random tokens (300, 220 and 260 tokens, left-padded) in 6 rows (a group cut by the
 micro-batch), completions of 64, 30, 5, 50, 0 and 64 random tokens; `--batches` of them, each with its own seed.
@@ -48,7 +48,7 @@ def main(argv=None):
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
-    from slmsql.shared_prefix import TOLERANCE, Packing, packed_logps
+    from slmsql.generation.shared_prefix import TOLERANCE, Packing, packed_logps
 
     plain_path = GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__  # TRL's, without its profiler
     trainer = types.SimpleNamespace(accelerator=Accelerator(cpu=not torch.cuda.is_available()))

@@ -1,6 +1,6 @@
 """What each registered reward costs per completion, called as TRL calls them in a GRPO step.
 
-Builds its own toy world (`slmsql.toyworld`, small) and, for `--questions` of its dev questions, `--k` completions
+Builds its own toy world (`slmsql.toy.world`, small) and, for `--questions` of its dev questions, `--k` completions
 each (a GRPO batch of questions x K): per question a fixed mix of the gold itself, the gold with its first
 table aliased (`AS t0`: a join's `table.column` then fails, as a model's slip would), the gold with its last
 literal changed, `SELECT *` of the gold's first table, the gold cut in half (a truncated completion), the gold
@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from slmsql import rewards, sqlsim
-from slmsql.data import db_path, read_gold
-from slmsql.sandbox import Limits, SandboxPool
-from slmsql.toyworld import generate as make_toy
+from slmsql.rewards import registry as rewards, sqlsim
+from slmsql.inputs.data import db_path, read_gold
+from slmsql.sql.sandbox import Limits, SandboxPool
+from slmsql.toy.world import generate as make_toy
 
 
 def variants(gold: str) -> list[str]:

@@ -32,9 +32,9 @@ Contenders:
       query runs on, abandoned, taking its share of the cores until the pool exits. Not reproduced: the
       unmerged `sort_tuple` per-row sort of DAMO-ConvAI PR #162 (one stored commit has it); the timeout is
       `--timeout` for the whole pair, where BIRD's default is 30 s.
-  (c) slmsql: `slmsql.scoring.judge(items, SandboxPool(workers, Limits(timeout_s)))`, the code path the
+  (c) slmsql: `slmsql.sql.scoring.judge(items, SandboxPool(workers, Limits(timeout_s)))`, the code path the
       filter, the reward and evaluate run: gold via run_gold (cached by (db, sql) for the pool's life),
-      preds via run (identical jobs in one call run once), slmsql.matching.results_match in BIRD mode.
+      preds via run (identical jobs in one call run once), slmsql.sql.matching.results_match in BIRD mode.
       Pool start-up and shutdown are timed.
 
 What bounds c/b on the `unique` mix: (b) runs the same statements on the same number of processes as (c),
@@ -74,7 +74,7 @@ import time
 
 import psutil
 
-from slmsql.sandbox import _PROGRESS_OPS, Limits, SandboxPool
+from slmsql.sql.sandbox import _PROGRESS_OPS, Limits, SandboxPool
 
 CITIES = ["Oslo", "Lima", "Pune", "Kiev", "Lyon", "Graz", "Cork", "Bari", "Nice", "Turku"]
 CATEGORIES = ["tools", "toys", "books", "food", "garden", "music", "sport", "office"]
@@ -275,9 +275,9 @@ def bench_bird(pairs, timeout: float, workers: int) -> list[int]:
 
 def bench_pool(pairs, timeout: float, workers: int):
     # Imported here, not at the top: every forkserver worker re-runs the parent's __main__ script, and
-    # slmsql.scoring pulls in scipy and statsmodels (~2 s per pool start on 2 busy cores). The `slmsql`
+    # slmsql.sql.scoring pulls in scipy and statsmodels (~2 s per pool start on 2 busy cores). The `slmsql`
     # console script, whose imports are light (~0.13 s), is what real runs have as __main__.
-    from slmsql.scoring import judge
+    from slmsql.sql.scoring import judge
 
     with SandboxPool(workers, Limits(timeout_s=timeout)) as pool:
         outcomes = judge(pairs, pool)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def arm(args) -> dict:
-    from slmsql.vllm_engine import ENV
+    from slmsql.generation.vllm_engine import ENV
 
     for key, value in ENV.items():  # as slmsql's engines run: in-process, a 1 GiB KV cache (vLLM's CPU default is
         os.environ.setdefault(key, value)  # 4 GiB, zero-filled at each start: minutes of system time on 2 cores)
@@ -34,9 +34,10 @@ def arm(args) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from slmsql import configs, toyworld
-    from slmsql.data import read_gold
-    from slmsql.prompts import builder_for, render_prompt
+    from slmsql import configs
+    from slmsql.toy import world as toyworld
+    from slmsql.inputs.data import read_gold
+    from slmsql.inputs.prompts import builder_for, render_prompt
 
     with tempfile.TemporaryDirectory() as tmp:
         toyworld.generate(Path(tmp) / "toy", seed=0, size="small")

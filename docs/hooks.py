@@ -1,12 +1,12 @@
 """MkDocs hook: the pages generated from the code. `docs/cli.md` and `docs/vocabulary.md` hold a marker that
 is replaced, at build time, by the CLI reference (`slmsql.cli.reference_markdown`, from configs.py) and the
-metric table (`slmsql.vocabulary.vocabulary_markdown`), so the docs cannot drift from what the code accepts
+metric table (`slmsql.tracking.vocabulary.vocabulary_markdown`), so the docs cannot drift from what the code accepts
 and logs. A marker missing from its page fails the build."""
 
 GENERATED = {
     "cli.md": ("<!-- slmsql:cli -->", lambda: __import__("slmsql.cli", fromlist=["x"]).reference_markdown()),
     "vocabulary.md": ("<!-- slmsql:vocabulary -->",
-                      lambda: __import__("slmsql.vocabulary", fromlist=["x"]).vocabulary_markdown()),
+                      lambda: __import__("slmsql.tracking.vocabulary", fromlist=["x"]).vocabulary_markdown()),
 }
 
 

@@ -58,7 +58,7 @@ def main() -> None:
 
     import mlflow
 
-    from slmsql import tracking
+    from slmsql.tracking import runs as tracking
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

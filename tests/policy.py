@@ -60,9 +60,10 @@ def write(path, rows) -> Path:
 def build(root: Path) -> Policy:
     import mlflow
 
-    from slmsql import configs, toyworld as toy
+    from slmsql import configs
+    from slmsql.toy import world as toy
     from slmsql.stages import sft, tiny_model as tinymodel
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     world, uri = root / "world", f"sqlite:///{root}/mlflow.db"
     toy.generate(world, seed=0, size="small")
@@ -92,7 +93,7 @@ def foreign_adapter(root: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     base = build_tiny_model(root / "other-base", ["SELECT name FROM item WHERE price > 3"] * 8,
                             vocab_size=300, hidden=16, layers=1, heads=2, ffn=32)

@@ -7,7 +7,7 @@ worker processes (forkserver workers see the test session's sys.path).
 import os
 import time
 
-from slmsql import sandbox
+from slmsql.sql import sandbox
 
 
 def faulty_run(db_file, sql, limits, whole=None):

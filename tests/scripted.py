@@ -90,8 +90,8 @@ def pin(monkeypatch, completions: dict[str, list[str]] | None = None, answers: d
     """Filter and evaluate (in this process) as they are, the real model generating, except for fixed rows:
     question id -> its K completions (`completions`, what filter samples) or its greedy completion (`answers`,
     what evaluate predicts). A test that needs a band question or a wrong answer pins one instead of hoping."""
-    from slmsql import generation
-    from slmsql.extract import extract_sql
+    from slmsql.generation import sampling as generation
+    from slmsql.sql.extract import extract_sql
 
     complete, predict = generation.complete, generation.predict
 

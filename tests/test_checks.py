@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from slmsql import datachecks as checks
+from slmsql.checks import datachecks as checks
 from slmsql.errors import DataError, SlmsqlError
 
 K = 10  # with K=10, 0.2 and 0.8 are reachable pass rates: the band's edges can be hit exactly

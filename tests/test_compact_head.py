@@ -11,8 +11,9 @@ from trl import SFTConfig, SFTTrainer
 from trl.kernels import chunked_logprob
 from trl.trainer import utils as trl_utils
 
-from slmsql import training
-from slmsql.models import build_tiny_model, load_model
+from slmsql.training import hf_trainer as training
+from slmsql.policy.models import load_model
+from slmsql.toy.tiny_model import build_tiny_model
 
 QUESTIONS = [("How many items?", "SELECT count(*) FROM item"), ("Names of pens?", "SELECT name FROM item"),
              ("Most expensive item?", "SELECT name FROM item ORDER BY price DESC LIMIT 1"),

@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from slmsql.data import (check_databases, db_path, read_gold, read_jsonl, safe_text, write_json,
-                         write_jsonl)
+from slmsql.inputs.data import check_databases, db_path, read_gold, read_jsonl, safe_text, write_json, write_jsonl
 from slmsql.errors import DataError
 
 

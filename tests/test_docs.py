@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ci_env import in_ci
-from slmsql import cli, configs, vocabulary
+from slmsql import cli, configs
+from slmsql.tracking import vocabulary
 
 ROOT = Path(__file__).parents[1]
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from slmsql import models, training
+from slmsql.policy import models
+from slmsql.training import hf_trainer as training
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
-from slmsql.models import build_tiny_model
+from slmsql.toy.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

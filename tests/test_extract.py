@@ -1,4 +1,4 @@
-from slmsql.extract import extract_sql, has_sql_block
+from slmsql.sql.extract import extract_sql, has_sql_block
 
 
 def test_last_sql_block_wins():

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from driver_faults import killed_after
 from policy import DB, foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, passrates
+from slmsql import configs
+from slmsql.sql import passrates
 from slmsql.stages import filter as passrate
 from slmsql.cli import main as cli
 
@@ -279,8 +280,10 @@ def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
     """Completions and gold text holding a lone surrogate: the run finishes and every file reads back.
 
     (Completion text alone never reaches a filter file, only its status; the gold row does, in band.jsonl.)"""
-    from slmsql import generation, models
-    from slmsql.data import read_jsonl
+    from slmsql.generation import sampling as generation
+    from slmsql.policy import models
+    from slmsql.toy.tiny_model import build_tiny_model
+    from slmsql.inputs.data import read_jsonl
 
     gold = "SELECT name FROM item WHERE kind = 'office'"
     question = f"Office items {ODD}?"
@@ -292,7 +295,7 @@ def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
         return [[f"```sql\n{gold}\n```", f"```sql\nSELECT '{ODD}'\n```"] * (k // 2) for _ in examples]
 
     # a real tokenizer (the prompts are counted before sampling); the weights are never loaded
-    tiny = models.build_tiny_model(tmp_path / "tiny", ["Office items", gold], vocab_size=300, hidden=16, layers=1, heads=2,
+    tiny = build_tiny_model(tmp_path / "tiny", ["Office items", gold], vocab_size=300, hidden=16, layers=1, heads=2,
                                    ffn=32)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
     monkeypatch.setattr(generation, "complete", complete)

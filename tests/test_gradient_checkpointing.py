@@ -106,7 +106,7 @@ def test_trainer_args_turn_checkpointing_on_over_the_stage_default(tmp_path, sta
     trainer_args must win (the rule in training.trl_config), or the real-model recipes would train without it."""
     from trl import GRPOConfig, SFTConfig
 
-    from slmsql import training
+    from slmsql.training import hf_trainer as training
 
     cls, trl_cls = {"sft": (configs.SFTStageConfig, SFTConfig), "grpo": (configs.GRPOStageConfig, GRPOConfig)}[stage]
     on = configs.load(cls, None, GC, require=False)

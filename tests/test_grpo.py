@@ -13,7 +13,11 @@ import mlflow
 import pytest
 from policy import foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, models, rewards, tracking, training
+from slmsql import configs
+from slmsql.policy import models
+from slmsql.rewards import registry as rewards
+from slmsql.tracking import runs as tracking
+from slmsql.training import hf_trainer as training
 from slmsql.stages import grpo
 from slmsql.errors import SlmsqlError
 
@@ -215,7 +219,7 @@ def test_served_run_params_are_the_stage_config(served_run):
 
 
 def test_served_run_completions_tables(served_run):
-    from slmsql.extract import extract_sql
+    from slmsql.sql.extract import extract_sql
 
     cfg, _, client, run, _ = served_run
     tables = sorted(f.path for f in client.list_artifacts(run.info.run_id, "completions"))
@@ -242,9 +246,9 @@ def test_served_run_adapter_reloads_and_generates(served_run, policy, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slmsql.data import read_gold
-    from slmsql.prompts import builder_for, render_prompt
-    from slmsql.generation import generate
+    from slmsql.inputs.data import read_gold
+    from slmsql.inputs.prompts import builder_for, render_prompt
+    from slmsql.generation.sampling import generate
 
     cfg, _, client, run, _ = served_run
     names = {f.path for f in client.list_artifacts(run.info.run_id, "adapter")}

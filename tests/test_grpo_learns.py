@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from learning import adapter_weights, assert_learned, logits, prompt_for
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, models
+from slmsql import configs
+from slmsql.policy import models
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
 from slmsql.stages import grpo, sft

@@ -1,4 +1,4 @@
-"""Correctness-aware GRPO (slmsql.grpo_variants): the gate and dynamic-sampling rules on hand-built groups,
+"""Correctness-aware GRPO (slmsql.training.grpo_variants): the gate and dynamic-sampling rules on hand-built groups,
 then two real toy runs of `slmsql grpo` with the options on, on scripted completions (tests/scripted.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from learning import assert_learned, prompt_for, weight_change
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
-from slmsql import grpo_variants as gv
+from slmsql.training import grpo_variants as gv
 from slmsql.errors import SlmsqlError
 
 
@@ -138,7 +138,7 @@ def test_option_sets_no_run_could_use_are_refused(over, message):
 
 
 def test_stage_refuses_before_any_model_loads(shop, tmp_path, monkeypatch):
-    from slmsql import models
+    from slmsql.policy import models
     from slmsql.stages import grpo
 
     def refuse(*a, **k):

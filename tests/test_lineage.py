@@ -1,10 +1,10 @@
-"""A trained policy's LoggedModel (lineage.py): made when its run starts, finalized with the run's end through
+"""A trained policy's LoggedModel (tracking/lineage.py): made when its run starts, finalized with the run's end through
 the outbox (so an outage loses it no more than the run's metrics), found again by the evaluation of its files."""
 
 import mlflow
 import pytest
 
-from slmsql import durable, lineage
+from slmsql.tracking import durable, lineage
 
 
 def _training_run(stage="grpo"):
@@ -129,7 +129,7 @@ def test_a_folder_retrained_in_place_is_a_new_external_model(tmp_path, monkeypat
 
 
 def test_descriptions_link_related_runs_once_however_often_linked():
-    from slmsql import descriptions, tracking
+    from slmsql.tracking import descriptions, runs as tracking
 
     with mlflow.start_run(run_name="grpo") as grpo:
         tracking.describe("GRPO, 3 steps.")
@@ -149,8 +149,8 @@ def test_descriptions_link_related_runs_once_however_often_linked():
 def test_training_charts_start_with_the_signal_and_constant_clip_ratios_wait():
     """The learning signal is also logged under a name that sorts first (the UI orders chart sections by name);
     a clip ratio is held back while it keeps its first value, and logged from its first step once it moves."""
-    from slmsql import vocabulary
-    from slmsql.training import StepMetrics
+    from slmsql.tracking import vocabulary
+    from slmsql.training.hf_trainer import StepMetrics
 
     steps = StepMetrics()
     logs = lambda clip, reward: {"reward": reward, "reward_std": 0.5, "clip_ratio/low_mean": clip,  # noqa: E731
@@ -172,7 +172,7 @@ def test_training_charts_start_with_the_signal_and_constant_clip_ratios_wait():
 def test_text2sql_is_logged_into_the_grpo_policys_model(tmp_path):
     """publish's servable model goes into the LoggedModel the GRPO run made (an output of that run already), so
     run -> logged model -> registered version is one line; a second, different one gets a model of its own."""
-    from slmsql import text2sql
+    from slmsql.publishing import text2sql
 
     with _training_run("grpo") as grpo:
         policy = lineage.start_policy_model(grpo.info.run_id, "grpo", "adapter")
@@ -205,7 +205,7 @@ def test_a_policy_model_page_stands_alone(tmp_path):
     artifacts, not its tags: the description says what the model is, which run trained it on what, where its files
     are and its slmsql tags, and follows its EX per eval set; the params are only those that define it; an
     adapter's files come into the model through the outbox with the run's end, a full model stays a reference."""
-    from slmsql import tracking
+    from slmsql.tracking import runs as tracking
 
     client = mlflow.MlflowClient()
     with _training_run("grpo") as grpo:

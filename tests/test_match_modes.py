@@ -16,11 +16,11 @@ import mlflow
 import pytest
 from click.testing import CliRunner
 
-from slmsql import rewards
+from slmsql.rewards import registry as rewards
 from slmsql.cli import main as cli
 from inline import InlineExecutor
 
-from slmsql.scoring import judge
+from slmsql.sql.scoring import judge
 
 DUPS = "SELECT kind FROM item"  # office, kitchen, office, kitchen: duplicate rows
 ORDERED = "SELECT name FROM item ORDER BY price"  # pen, pad, cup, pot: order is part of the answer
@@ -134,7 +134,8 @@ FILTER = {
 @pytest.fixture
 def fake_policy(monkeypatch):
     """No model: the filter's sampler returns FILTER's completions for each question, in order."""
-    from slmsql import generation, models
+    from slmsql.generation import sampling as generation
+    from slmsql.policy import models
 
     def complete(cfg, examples, policy, *, k, **_):
         assert k == 2
@@ -149,7 +150,7 @@ def test_filter_cli_buckets_under_the_mode(shop, tmp_path, fake_policy, match):
     data = _write(tmp_path / "source.jsonl", [{"id": n, "db_id": "shop", "question": f"q {n}", "sql": g}
                                               for n, (g, *_) in FILTER.items()])
     out = tmp_path / "out"
-    from slmsql.models import build_tiny_model  # a real tokenizer: prompts are counted before sampling
+    from slmsql.toy.tiny_model import build_tiny_model  # a real tokenizer: prompts are counted before sampling
 
     tiny = build_tiny_model(tmp_path / "tiny", ["q 1", "SELECT 1"], vocab_size=300, hidden=16, layers=1, heads=2, ffn=32)
     args = ["filter", "--data", str(data), "--db-root", str(shop), "--model", str(tiny), "--output-dir", str(out),

@@ -1,6 +1,6 @@
 import pytest
 
-from slmsql.matching import results_match
+from slmsql.sql.matching import results_match
 
 
 @pytest.mark.parametrize("mode", ["bird", "spider"])

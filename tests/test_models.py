@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slmsql.errors import SlmsqlError
-from slmsql.models import build_tiny_model, check_adapter_base, load_model, train_bpe
-from slmsql.generation import generate
+from slmsql.policy.models import check_adapter_base, load_model
+from slmsql.toy.tiny_model import build_tiny_model, train_bpe
+from slmsql.generation.sampling import generate
 
 TEXTS = [
     "CREATE TABLE singer (singer_id INTEGER, name TEXT, age INTEGER, country TEXT)",
@@ -221,8 +222,8 @@ def test_row_sampler_draws_from_the_warped_distribution(temperature, top_p, top_
     probabilities computed here by hand."""
     from scipy.stats import chisquare
 
-    from slmsql.generation import _RowSampler
-    from slmsql.seeds import sample_seed
+    from slmsql.generation.sampling import _RowSampler
+    from slmsql.runtime.seeds import sample_seed
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # sorted descending: the filters below rely on it
     p = torch.softmax(logits / temperature, dim=0)

@@ -36,8 +36,9 @@ from safetensors.torch import load_file
 
 import rowseeded
 import scripted
-from slmsql import cli, configs, distributed
-from slmsql.sandbox import SandboxPool
+from slmsql import cli, configs
+from slmsql.runtime import distributed
+from slmsql.sql.sandbox import SandboxPool
 from slmsql.stages import grpo, sft
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,9 +219,9 @@ PROTOCOL = """
 import json, sys
 from pathlib import Path
 import torch.distributed as dist
-from slmsql import distributed
+from slmsql.runtime import distributed
 from slmsql.errors import SlmsqlError
-from slmsql.outputs import Staged
+from slmsql.runtime.outputs import Staged
 
 dist.init_process_group("gloo")
 rank, out, seen = dist.get_rank(), Path(sys.argv[1]), {}
@@ -317,7 +318,7 @@ def test_a_killed_process_leaves_no_sandbox_workers(shop):
     """A rank killed outright (SIGKILL: the OOM killer, a launcher giving up on it) cannot close its sandbox
     pool; its workers must not outlive it (nor the forkserver they keep alive)."""
     marker = uuid.uuid4().hex
-    code = ("import sys, time\nfrom slmsql.sandbox import SandboxPool\npool = SandboxPool(workers=2)\n"
+    code = ("import sys, time\nfrom slmsql.sql.sandbox import SandboxPool\npool = SandboxPool(workers=2)\n"
             "assert pool.run([(sys.argv[1], 'SELECT 1')])[0].status == 'ok'\nprint('ready', flush=True)\n"
             "time.sleep(600)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), MARK: marker}

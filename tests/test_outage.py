@@ -1,4 +1,4 @@
-"""Training survives a tracking outage (durable.py): a real `mlflow server` on loopback is SIGKILLed mid-run
+"""Training survives a tracking outage (tracking/durable.py): a real `mlflow server` on loopback is SIGKILLed mid-run
 and restarted on the same port and store; the run keeps training, ends FINISHED, and holds every step's
 metrics exactly once. A server still away at the end: the stage fails with the adapter on disk, and
 `slmsql sync-tracking` sends the rest later. The replay itself is idempotent (a record sent twice)."""
@@ -20,7 +20,9 @@ import pytest
 from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, durable, tracking, training
+from slmsql import configs
+from slmsql.tracking import durable, runs as tracking
+from slmsql.training import hf_trainer as training
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
 from slmsql.stages import grpo, sft

@@ -1,13 +1,13 @@
-"""The partial rewards against hand-computed values: Reasoning-SQL's on the SQL text (sqlsim.py), QATCH's on the
-executed results (cells.py), and the registry's rewards built on them, which share one execution per completion."""
+"""The partial rewards against hand-computed values: Reasoning-SQL's on the SQL text (rewards/sqlsim.py), QATCH's on the
+executed results (rewards/cells.py), and the registry's rewards built on them, which share one execution per completion."""
 
 import sqlite3
 
 import pytest
 from inline import InlineExecutor
 
-from slmsql import cells, rewards, sqlsim
-from slmsql.matching import Digests
+from slmsql.rewards import cells, registry as rewards, sqlsim
+from slmsql.sql.matching import Digests
 
 SCHEMA = {"item": ["id", "name", "price", "kind"], "sale": ["id", "item_id", "qty"]}
 ITEM = {"table:item"} | {f"column:item.{c}" for c in SCHEMA["item"]}  # what `SELECT * FROM item` reads
@@ -217,7 +217,8 @@ def test_the_cli_reference_and_the_vocabulary_name_every_registered_reward():
     import dataclasses
     import re
 
-    from slmsql import configs, vocabulary
+    from slmsql import configs
+    from slmsql.tracking import vocabulary
 
     help_ = {f.name: f for f in dataclasses.fields(configs.GRPOStageConfig)}["rewards"].metadata["help"]
     named = re.findall(r"\w+", help_.split("registry:", 1)[1].split("(", 1)[0])

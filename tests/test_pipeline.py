@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from hubstub import HubStub
 
-from slmsql import tracking
-from slmsql.tracking import start_server
+from slmsql.tracking import runs as tracking
+from slmsql.tracking.runs import start_server
 
 SHORT = ("sft.max_steps=400 grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
          "grpo.num_generations=4 grpo.per_device_train_batch_size=8")
@@ -24,7 +24,8 @@ REPO, BASE_REPO = "slmsql/toy-grpo", "slmsql/toy-sft"  # the pipeline's defaults
 def test_overrides_reach_their_stage_only_after_its_own_parameters(tmp_path):
     """The fast part of this module: SHORT, as `slmsql pipeline --overrides` parses it, lands on every step of
     the stage it names (over the step's own value) and on no other stage."""
-    from slmsql import configs, workflow
+    from slmsql import configs
+    from slmsql.workflow import steps as workflow
 
     cfg = configs.load(configs.PipelineConfig, None, {"overrides": SHORT})
     assert cfg.overrides["sft.max_steps"] == 400 and cfg.overrides["grpo.num_generations"] == 4
@@ -142,7 +143,7 @@ def _runs(uri):
 
 @pytest.mark.slow
 def test_every_run_describes_its_result_in_documented_names(lifecycle):
-    from slmsql import tracking, vocabulary
+    from slmsql.tracking import runs as tracking, vocabulary
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -258,7 +259,8 @@ def test_models_tab_lists_each_policy_with_its_ex_per_eval_set(lifecycle):
     """The SFT policy and the GRPO adapter are LoggedModels of the runs that trained them, each with the EX of its
     evaluations on both eval sets, linked to that eval set's dataset; the registered text2sql version is the GRPO
     policy's model (run -> logged model -> version)."""
-    from slmsql import configs, descriptions, lineage, tracking
+    from slmsql import configs
+    from slmsql.tracking import descriptions, lineage, runs as tracking
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -406,7 +408,7 @@ def test_the_view_puts_the_headline_first_and_every_pair_states_its_verdict(life
     """The link the pipeline prints opens slmsql's view: grouped by eval set in the order runs started, so the
     pipeline run, grouped under the eval sets of its headline, is the first group; it carries every eval set's
     GRPO-vs-SFT result, each the result tag of that set's GRPO evaluation."""
-    from slmsql import tracking
+    from slmsql.tracking import runs as tracking
 
     uri, root, run, _ = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
@@ -459,7 +461,7 @@ def ui_checks(browser, uri: str, link: str) -> None:
     """The browser test's checks, against the pipeline's store behind `uri`."""
     from devtools import views_menu_from_home
 
-    from slmsql import tracking
+    from slmsql.tracking import runs as tracking
 
     client, exp, parent, c = _runs(uri)
     size, result = (2000, 1000), f"tags.`{tracking.RESULT}`"

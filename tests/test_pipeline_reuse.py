@@ -18,7 +18,7 @@ import mlflow
 import pytest
 
 from slmsql import configs
-from slmsql import workflow
+from slmsql.workflow import steps as workflow
 from slmsql.stages import pipeline
 
 STEPS = ["toy", "tiny-model", "sft", "filter", "grpo", "eval-sft-dev", "eval-grpo-dev", "eval-sft-dev_cross",
@@ -155,7 +155,7 @@ def test_code_version_hashes_the_package_and_its_data(tmp_path, monkeypatch):
     assert workflow.code_version() == first
     (root / "README.md").write_text("not code")  # outside what shapes a result: the same version
     assert workflow.code_version() == first
-    for changed in ("src/slmsql/rewards.py", "data_checks/rl.json", "model_card/README.md.j2"):
+    for changed in ("src/slmsql/rewards/registry.py", "data_checks/rl.json", "model_card/README.md.j2"):
         path = root / changed
         path.write_text(path.read_text() + "\n")
         assert workflow.code_version() != first, changed

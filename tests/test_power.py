@@ -1,4 +1,4 @@
-"""Sizing by power (slmsql.power): textbook t-test values, McNemar's exact power, and simulated studies."""
+"""Sizing by power (slmsql.stats.power): textbook t-test values, McNemar's exact power, and simulated studies."""
 
 import json
 import math
@@ -15,9 +15,9 @@ from test_seedstats import simulate, true_effect
 from test_stats import exact_mcnemar_power
 
 from slmsql.errors import SlmsqlError
-from slmsql.power import Components, mdd, power, questions_needed
-from slmsql.seedstats import components, over_seeds
-from slmsql.stats import compare_seeds
+from slmsql.stats.power import Components, mdd, power, questions_needed
+from slmsql.stats.seedstats import components, over_seeds
+from slmsql.stats.inference import compare_seeds
 
 
 def test_pooled_power_is_the_textbook_t_test():
@@ -208,7 +208,7 @@ def test_seed_variance_interval_is_the_chi_square_tables():
     """A variance from S seeds has S - 1 df; its 95% interval as multiples of the estimate is
     [df / chi2_0.975(df), df / chi2_0.025(df)]: table values chi2(1) 5.0239 and 0.000982, chi2(2) 7.3778 and
     0.0506 (Abramowitz & Stegun table 26.8)."""
-    from slmsql.power import seed_variance_interval
+    from slmsql.stats.power import seed_variance_interval
 
     lo, hi = seed_variance_interval(2)
     assert lo == pytest.approx(1 / 5.0239, rel=1e-4) and hi == pytest.approx(1 / 0.000982069, rel=1e-4)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from slmsql.mlproject import render
+from slmsql.workflow.mlproject import render
 
 ROOT = Path(__file__).parents[1]
 
@@ -60,35 +60,14 @@ def test_every_test_module_has_a_test_outside_the_slow_tier(fast_modules):
     assert modules - fast == set(), "modules without a test outside the slow tier"
 
 
-def _slmsql_imports(module: str, file: Path, known: set[str]) -> set[str]:
-    """The slmsql modules `file` imports anywhere in it (a function-level import is an edge too: deferring an
-    import hides a cycle, it does not remove it)."""
+def test_every_stage_main_reads_top_to_bottom_in_under_100_lines():
+    """A stage is thin: its `main` hands the work to the library (docs/development.md, "Layout")."""
     import ast
 
-    package = module if file.name == "__init__.py" else module.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(file.read_text())):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-            target = ".".join(parts + ([node.module] if node.module else []))
-            names = [target, *(f"{target}.{a.name}" for a in node.names)]
-        else:
-            continue
-        out |= {n for n in names if n in known and n not in (module, "slmsql")}
-    return out
-
-
-def test_slmsql_modules_import_each_other_without_cycles():
-    from graphlib import CycleError, TopologicalSorter
-
-    files = {".".join(f.relative_to(ROOT / "src").with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (ROOT / "src" / "slmsql").rglob("*.py")}
-    graph = {m: _slmsql_imports(m, f, set(files)) for m, f in files.items()}
-    assert {"slmsql.models", "slmsql.promptcheck", "slmsql.generation", "slmsql.vllm_engine"} <= set(graph)
-    assert "slmsql.models" in graph["slmsql.generation"]  # the edges are seen (a graph without any has no cycle)
-    try:
-        TopologicalSorter(graph).prepare()
-    except CycleError as e:
-        raise AssertionError(f"import cycle: {' -> '.join(e.args[1])}") from None
+    lengths = {}
+    for f in sorted((ROOT / "src" / "slmsql" / "stages").glob("*.py")):
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                lengths[f.stem] = node.end_lineno - node.lineno + 1
+    assert set(lengths) >= {"sft", "filter", "grpo", "evaluate", "publish"}
+    assert {k: v for k, v in lengths.items() if v > 100} == {}

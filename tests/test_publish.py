@@ -22,11 +22,12 @@ import yaml
 from click.testing import CliRunner
 
 from hubstub import HubStub
-from slmsql import stats
-from slmsql.configs import (EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SFTStageConfig,
-                            SweepConfig, to_params)
+from slmsql.stats import inference as stats
+from slmsql.configs import (
+    EvaluateConfig, FilterConfig, GRPOStageConfig, PublishConfig, SFTStageConfig, SweepConfig, to_params
+)
 from slmsql.errors import SlmsqlError
-from slmsql.scoring import ex_summary as summarize
+from slmsql.sql.scoring import ex_summary as summarize
 
 BASE = "slmsql-test/tiny-qwen2"  # what the runs name; the weights sit in a Hub-cache snapshot of that id
 REPO = "stub-user/tiny-grpo"
@@ -58,7 +59,7 @@ def build_adapter(root: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     snapshot = build_tiny_model(root / "hub" / "models--slmsql-test--tiny-qwen2" / "snapshots" / ("0" * 40), TEXTS,
                                 vocab_size=300, hidden=32, layers=1, heads=4, ffn=64)
@@ -258,7 +259,7 @@ def section(text: str, title: str) -> str:
 @pytest.fixture
 def loads(monkeypatch):
     """Every model slmsql loads in this process (MLflow's check of an input example loads the logged one)."""
-    from slmsql import models
+    from slmsql.policy import models
 
     loaded, load = [], models.load_model
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded.append(a) or load(*a, **k))
@@ -573,7 +574,7 @@ def test_filter_run_of_other_data_is_refused(store, tmp_path, monkeypatch):
     summary = {**FILTER_SUMMARY, "buckets": {**FILTER_SUMMARY["buckets"], "band": 13, "all_fail": 19}}
     exp = mlflow.create_experiment("other", artifact_location=str(tmp_path / "other"))
     with mlflow.start_run(experiment_id=exp, tags={"slmsql.stage": "filter"}) as run:
-        from slmsql.tracking import log_json
+        from slmsql.tracking.runs import log_json
 
         log_json(summary, "summary.json")
     with pytest.raises(SlmsqlError, match="kept 13 band questions, but GRPO run .* trained on 12"):
@@ -590,7 +591,7 @@ def test_filter_run_of_other_data_is_refused(store, tmp_path, monkeypatch):
      "Mixed result: this adapter beats its SFT starting point on bird but is worse on spider"),
 ])
 def test_tldr_is_chosen_by_the_verdicts(counts, expected):
-    from slmsql.card import tldr
+    from slmsql.publishing.card import tldr
 
     results = []
     for dataset, c in counts.items():
@@ -638,7 +639,7 @@ def test_grpo_run_without_adapter_is_refused(store, tmp_path):
 
 
 def test_hub_base_model():
-    from slmsql.hub import hub_id as hub_base_model
+    from slmsql.inputs.sources import hub_id as hub_base_model
 
     assert hub_base_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert hub_base_model("/cache/hub/models--Qwen--Qwen2.5-Coder-1.5B/snapshots/abc") == "Qwen/Qwen2.5-Coder-1.5B"
@@ -755,7 +756,7 @@ def test_config_holds_no_token_field():
 # ---- seeds: a card from one seed says so; a card with its sweep states the pooled verdict ------------------
 
 def test_single_seed_card_says_what_one_seed_cannot_tell(store, tmp_path):
-    from slmsql.card import SINGLE_SEED
+    from slmsql.publishing.card import SINGLE_SEED
     from slmsql.stages.publish import main
 
     main(config(store, tmp_path, dry_run=True))
@@ -769,7 +770,7 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     import numpy as np
     from scipy import stats as scipy_stats
 
-    from slmsql.card import SINGLE_SEED
+    from slmsql.publishing.card import SINGLE_SEED
     from slmsql.stages.publish import main
 
     # no --eval-runs: the cell's own evaluations
@@ -799,7 +800,7 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert len(rows) == 2 * (1 + 2) and len(method_rows) == 2 * 2
     assert table.count("Over seeds (the seeds a random unit too") == 2
     for dataset in ("bird", "spider"):  # the method's interval: seedstats.over_seeds on the same questions
-        from slmsql.seedstats import over_seeds
+        from slmsql.stats.seedstats import over_seeds
         r = over_seeds([data["runs"][("defaults", dataset, s)] for s in (0, 1, 2)], data["baseline"][dataset])
         cell = f"[{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]".replace("-", "−")
         assert any(line.startswith("| **defaults** (this adapter's)") and cell in line for line in method_rows)
@@ -864,7 +865,7 @@ def test_sweep_card_of_several_starts_shows_each_rows_start(store, tmp_path):
 def test_reproduce_command_prints_only_what_differs_from_the_defaults():
     """Params come back from MLflow as text: a default logged as 'false' (or 'False', by an older slmsql) or
     'all-linear' is not printed, a changed value is, quoted for the shell."""
-    from slmsql.card import command
+    from slmsql.publishing.card import command
 
     params = {"dynamic_sampling": "False", "target_modules": "all-linear", "use_lora": "true", "max_steps": "40",
               "reward_weights": "", "data": "my band.jsonl", "trainer_args.warmup_ratio": "0.1",
@@ -909,7 +910,7 @@ def test_a_dry_run_takes_nothing_a_push_made(store, hub, tmp_path, monkeypatch):
     import mlflow
     from mlflow.entities import LoggedModelStatus
 
-    from slmsql import lineage
+    from slmsql.tracking import lineage
     from slmsql.stages.publish import main
 
     client = mlflow.MlflowClient()

@@ -1,4 +1,4 @@
-"""The Ray engine (`--engine ray`, slmsql.engines) on real Ray, against the local engine on the same toy questions.
+"""The Ray engine (`--engine ray`, slmsql.generation.engines) on real Ray, against the local engine on the same toy questions.
 
 - a real cluster: `ray start --head` on loopback as its own process, `mlflow run . -e filter` joins it with
   `--ray-address` and writes the local engine's files, metrics and data check; then the cluster is stopped
@@ -299,7 +299,7 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
     (with max_restarts=0 the run fails instead); the output is the local engine's, each question once (the
     driver refuses a question twice). Actors an earlier test's run left in the shared Ray are not this run's:
     they are not the ones killed."""
-    from slmsql import engines
+    from slmsql.generation import engines
 
     data, ref, ref_metrics = reference
     partial = tmp_path / "out.partial" / "passrates.jsonl"

@@ -134,8 +134,10 @@ def test_every_stage_finishes_on_the_hub_id(stages):
 def end_of_turn_rows(adapter, data, db_root, n: int, monkeypatch) -> list[list[int]]:
     """The completion token ids evaluate's generation decodes for the first `n` questions of `data` (the
     decoded text cannot show where generation stopped: special tokens are skipped)."""
-    from slmsql import configs, generation, models
-    from slmsql.data import read_gold
+    from slmsql import configs
+    from slmsql.generation import sampling as generation
+    from slmsql.policy import models
+    from slmsql.inputs.data import read_gold
 
     cfg = configs.load(configs.EvaluateConfig, str(RECIPES / "evaluate.yaml"), {
         "data": str(data), "db_root": str(db_root), "model": MODEL, "adapter": adapter, "max_new_tokens": 48})
@@ -174,7 +176,7 @@ def test_answers_end_at_the_end_of_turn(stages, monkeypatch):
 def test_registered_model_answers_as_evaluate_did(stages, monkeypatch):
     import pandas as pd
 
-    from slmsql.data import db_path
+    from slmsql.inputs.data import db_path
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", stages["uri"])
     mlflow.set_tracking_uri(stages["uri"])

@@ -11,8 +11,14 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from slmsql import configs, generation, mlproject, models, promptcheck, tokens, workflow
-from slmsql.data import read_gold
+from slmsql import configs
+from slmsql.generation import sampling as generation
+from slmsql.workflow import mlproject, steps as workflow
+from slmsql.policy import models
+from slmsql.toy.tiny_model import build_tiny_model
+from slmsql.checks import promptcheck
+from slmsql.inputs import tokens
+from slmsql.inputs.data import read_gold
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.stages import evaluate, filter as filter_stage, grpo, sft
 
@@ -28,7 +34,7 @@ def world(shop, tmp_path):
     gold = tmp_path / "gold.jsonl"
     gold.write_text("".join(json.dumps({"id": str(i), "db_id": "shop", "question": q, "sql": s}) + "\n"
                             for i, (q, s) in enumerate(zip(QUESTIONS, SQL))))
-    model = models.build_tiny_model(tmp_path / "tiny", QUESTIONS + SQL, vocab_size=300, hidden=16, layers=1,
+    model = build_tiny_model(tmp_path / "tiny", QUESTIONS + SQL, vocab_size=300, hidden=16, layers=1,
                                     heads=2, ffn=32)
     return gold, shop, model
 
@@ -139,7 +145,7 @@ def test_an_adapter_carries_its_prompt_record():
 
 
 def test_tables_json_option_builds_the_prompts_from_it(world, tmp_path):
-    from slmsql.prompts import builder_for
+    from slmsql.inputs.prompts import builder_for
 
     tables = tmp_path / "tables.json"
     tables.write_text(json.dumps([{
@@ -211,7 +217,7 @@ def test_pipeline_on_a_pretrained_model_wires_zero_shot_and_the_sft_adapter(monk
     made = {}
     monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
     # the fake runs are not in the store: record how the pipeline links them instead of writing descriptions
-    monkeypatch.setattr("slmsql.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
+    monkeypatch.setattr("slmsql.tracking.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
         links=({k: r.info.run_id for k, r in trained.items()}, {k: sorted(v) for k, v in evals.items()})))
     pipeline.main(configs.PipelineConfig(model="org/some-chat-model"))
     calls = made["s"].calls
@@ -242,7 +248,7 @@ def test_toy_pipeline_builds_the_tiny_model_and_evaluates_no_zero_shot(monkeypat
     made = {}
     monkeypatch.setattr(pipeline, "Steps", lambda *a, **k: made.setdefault("s", FakeSteps(*a, **k)))
     # the fake runs are not in the store: record how the pipeline links them instead of writing descriptions
-    monkeypatch.setattr("slmsql.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
+    monkeypatch.setattr("slmsql.tracking.descriptions.link_pipeline", lambda parent, trained, evals: made.update(
         links=({k: r.info.run_id for k, r in trained.items()}, {k: sorted(v) for k, v in evals.items()})))
     pipeline.main(configs.PipelineConfig())
     calls = made["s"].calls

@@ -12,7 +12,8 @@ import pytest
 from inline import InlineExecutor
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, rewards
+from slmsql import configs
+from slmsql.rewards import registry as rewards
 from slmsql.errors import DataError
 
 ROOT = Path(__file__).resolve().parent.parent

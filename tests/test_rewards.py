@@ -1,6 +1,6 @@
 import pytest
 
-from slmsql import rewards
+from slmsql.rewards import registry as rewards
 from inline import InlineExecutor
 
 
@@ -93,7 +93,7 @@ def test_group_of_runs_and_fails_has_reward_std_but_no_correctness_signal(shop):
 def test_a_gold_too_large_pays_nothing_and_is_counted(shop):
     """A gold over the sandbox's digest budget: every answer is wrong (even the gold itself), and the step's
     telemetry names it, so the shares of the outcomes still sum to 1."""
-    from slmsql.sandbox import Limits
+    from slmsql.sql.sandbox import Limits
 
     db = str(shop / "shop" / "shop.sqlite")
     small = InlineExecutor(Limits(row_cap=2, digest_bytes=8 * 3))  # 2 rows as values, 3 values as digests

@@ -12,11 +12,13 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 from transformers.generation.utils import GenerationMixin
 
-from slmsql import configs, engines
-from slmsql.data import read_gold
+from slmsql import configs
+from slmsql.generation import engines
+from slmsql.inputs.data import read_gold
 from slmsql.errors import DataError
-from slmsql.generation import _RowSampler
-from slmsql.models import build_tiny_model, load_model
+from slmsql.generation.sampling import _RowSampler
+from slmsql.policy.models import load_model
+from slmsql.toy.tiny_model import build_tiny_model
 from slmsql.stages import grpo
 
 # A Qwen-instruct-like generation config: every value differs from slmsql's defaults and from the test's own.

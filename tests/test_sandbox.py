@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 from sandbox_faults import faulty_run
 
-from slmsql.sandbox import STATUSES, ExecResult, Limits, SandboxPool, execute
+from slmsql.sql.sandbox import STATUSES, ExecResult, Limits, SandboxPool, execute
 
 FAST = Limits(timeout_s=0.5)
 GRACE_S = 5.0  # generous: proves termination, not speed
@@ -224,7 +224,7 @@ def test_pool_workers_die_when_the_pools_owner_is_killed(db, tmp_path):
 
     owner = subprocess.Popen([sys.executable, "-c", f"""
 import os, sys, time
-from slmsql.sandbox import SandboxPool
+from slmsql.sql.sandbox import SandboxPool
 pool = SandboxPool(2)
 pool.run([({str(db)!r}, "SELECT 1")] * 8)
 print(" ".join(str(p) for p in pool._pool._processes), flush=True)

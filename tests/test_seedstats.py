@@ -1,4 +1,4 @@
-"""Seeds as a random unit (slmsql.seedstats), checked on simulated studies whose true method effect is known."""
+"""Seeds as a random unit (slmsql.stats.seedstats), checked on simulated studies whose true method effect is known."""
 
 import math
 import warnings
@@ -11,8 +11,8 @@ from scipy.special import expit
 from scipy.stats import t as student_t
 
 from slmsql.errors import SlmsqlError
-from slmsql.seedstats import components, over_seeds, satterthwaite
-from slmsql.stats import compare_seeds
+from slmsql.stats.seedstats import components, over_seeds, satterthwaite
+from slmsql.stats.inference import compare_seeds
 
 
 def true_effect(ability_sd: float, gain: float, seed_sd: float) -> float:

@@ -13,11 +13,13 @@ from click.testing import CliRunner
 from policy import foreign_adapter, policy_fixture, read, tracking_store  # noqa: F401  (the fixture)
 from safetensors.torch import load_file
 
-from slmsql import configs, generation, models
+from slmsql import configs
+from slmsql.generation import sampling as generation
+from slmsql.policy import models
 from slmsql.stages import evaluate, sft
 from slmsql.cli import main as cli
 from slmsql.errors import SlmsqlError
-from slmsql.extract import extract_sql
+from slmsql.sql.extract import extract_sql
 
 # ---- SFT ------------------------------------------------------------------------------------------------
 
@@ -175,7 +177,7 @@ def as_logged(value: float) -> float:
     """An evaluation statistic as its run logs it: rounded to tracking.STAT_DIGITS (6) significant digits, so
     the run page shows 0.333333, not 0.3333333333333333. metrics.json keeps the unrounded value: the two are
     equal only for scores whose decimal expansion is short (9/30, not 10/30), which depends on the machine."""
-    from slmsql.tracking import STAT_DIGITS
+    from slmsql.tracking.runs import STAT_DIGITS
 
     return float(f"{value:.{STAT_DIGITS}g}")
 
@@ -298,7 +300,7 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 def test_prediction_utf8_cannot_encode_is_scored_and_written(tmp_path):
     """A lone surrogate (a JSON "\\ud800" escape) in a prediction: scored, written exactly, run exit 0."""
-    from slmsql.data import read_jsonl
+    from slmsql.inputs.data import read_jsonl
 
     preds = tmp_path / "preds.jsonl"
     preds.write_text('{"id": "q1", "sql": "SELECT \'\\ud800\'"}\n{"id": "q2", "sql": "SELECT 1"}\n')

@@ -30,8 +30,9 @@ from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (t
 
 from test_vllm import vllm_ready  # noqa: F401  (fixture: vLLM installed, or a CI failure)
 
-from slmsql import configs, shared_prefix
-from slmsql.shared_prefix import Packing
+from slmsql import configs
+from slmsql.generation import shared_prefix
+from slmsql.generation.shared_prefix import Packing
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -90,7 +91,7 @@ def test_packing_refuses_layouts_it_does_not_read():
 def tiny_lm(tmp_path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    from slmsql.models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny", ["SELECT name FROM item WHERE price > 3 ORDER BY name"] * 8,
                               vocab_size=300, hidden=32, layers=2, heads=2, ffn=64)
@@ -227,7 +228,7 @@ def test_generation_prefills_each_prompt_once_with_the_same_scores(tmp_path, sam
 def test_filter_samples_are_the_same_with_prefill_shared(tmp_path):
     from transformers import AutoTokenizer
 
-    from slmsql.generation import generate
+    from slmsql.generation.sampling import generate
 
     model, folder = tiny_lm(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(folder)

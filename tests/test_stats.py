@@ -7,8 +7,10 @@ from scipy.stats import t as student_t
 from statsmodels.stats.contingency_tables import mcnemar
 
 from slmsql.errors import SlmsqlError
-from slmsql.stats import (DIFF_CI_METHOD, compare, compare_seeds, exact_paired, mcnemar_exact,
-                          min_detectable_difference, paired_t, paired_table, verdict, wilson, worst_case_pairing)
+from slmsql.stats.inference import (
+    DIFF_CI_METHOD, compare, compare_seeds, exact_paired, mcnemar_exact, min_detectable_difference, paired_t,
+    paired_table, verdict, wilson, worst_case_pairing
+)
 
 
 def wilson_formula(k, n, z=1.959963984540054):

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 from scipy import stats as scipy_stats
 
-from slmsql import configs, seedstats, stats
+from slmsql import configs
+from slmsql.stats import seedstats, inference as stats
 from slmsql.cli import main as cli
 from slmsql.configs import SweepConfig, Variant
 from slmsql.errors import DataError
@@ -411,7 +412,7 @@ class _FakeSteps:
 
 
 def test_sweep_scores_each_starts_cells_on_its_own_file(tmp_path, monkeypatch):
-    from slmsql import workflow
+    from slmsql.workflow import steps as workflow
 
     (tmp_path / "dbs").mkdir()
     files = {x: str(write(tmp_path / f"{x}.jsonl", [{"id": f"{x}{i}"} for i in range(n)]))
@@ -540,11 +541,11 @@ def test_rerun_reuses_every_cell(small_sweep, policy, caplog, monkeypatch):
     _, before = _runs(uri)
     monkeypatch.chdir(root)
     monkeypatch.setenv("PATH", os.environ["PATH"])  # restored after the sweep changes it
-    caplog.set_level(logging.INFO, logger="slmsql.workflow")
+    caplog.set_level(logging.INFO, logger="slmsql.workflow.steps")
     with tracking_store(uri):
         again = CliRunner().invoke(cli, _args(policy, root))  # in this process: no second start-up to pay
     assert again.exit_code == 0, again.output
-    steps = [r.getMessage() for r in caplog.records if r.name == "slmsql.workflow"]
+    steps = [r.getMessage() for r in caplog.records if r.name == "slmsql.workflow.steps"]
     assert len(steps) == 9 and all("reused run" in m for m in steps)  # 4 grpo + 4 evaluate + the baseline
     client, after = _runs(uri)
     new = [r for r in after if r.info.run_id not in {b.info.run_id for b in before}]

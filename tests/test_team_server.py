@@ -34,7 +34,7 @@ def test_the_team_store_uri_reaches_mlflow_server_as_given_with_its_driver_insta
     `mlflow server` unchanged, and its driver (the test extra's psycopg2) is importable, so the server can start."""
     import sqlalchemy
 
-    from slmsql.tracking import server_command
+    from slmsql.tracking.runs import server_command
 
     uri = f"postgresql+psycopg2://{USER}:secret@127.0.0.1:5432/{DB}"
     cmd = server_command("127.0.0.1", 5000, uri, Path("artifacts"))

@@ -28,7 +28,7 @@ from hubstub import HubStub
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
-from slmsql.data import db_path
+from slmsql.inputs.data import db_path
 
 REPO, BASE_REPO, NAME = "stub-user/toy-grpo", "stub-user/toy-sft", "toy-grpo"
 MAX_NEW_TOKENS = 48
@@ -46,7 +46,7 @@ def test_served_model_refuses_bad_rows_naming_row_and_field(rows, message):
     invalid-parameter error (the scoring server answers 400 with the message, not 500)."""
     from mlflow.exceptions import MlflowException
 
-    from slmsql import text2sql
+    from slmsql.publishing import text2sql
 
     with pytest.raises(MlflowException, match="text2sql input: " + message) as e:
         text2sql.Text2SQL().predict(None, rows)
@@ -98,7 +98,7 @@ def store(shipped, monkeypatch):
 
 def dev_rows(policy, how: str) -> tuple[list[str], list[dict]]:
     """The evaluated questions as model input rows: with the database's path, or with its schema text."""
-    from slmsql.prompts import MAX_CHARS, schema_text
+    from slmsql.inputs.prompts import MAX_CHARS, schema_text
 
     ids, rows = [], []
     for r in read(policy.dev):
@@ -225,7 +225,7 @@ def test_pushed_pair_loads_with_peft_and_gives_the_same_logits(store, policy, mo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slmsql.models import load_model
+    from slmsql.policy.models import load_model
 
     hub = store["hub"]
     hub.configure_client(monkeypatch)

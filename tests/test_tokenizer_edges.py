@@ -13,9 +13,10 @@ import bigram
 import pytest
 from bigram import TEXTS, edit_json, prompt
 
-from slmsql import generation, models
-from slmsql.extract import extract_sql
-from slmsql.models import ENDOFTEXT, IM_END, build_tiny_model
+from slmsql.generation import sampling as generation
+from slmsql.policy import models
+from slmsql.sql.extract import extract_sql
+from slmsql.toy.tiny_model import ENDOFTEXT, IM_END, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def test_sft_with_pad_equal_to_eos_keeps_the_answers_eos_as_a_label(no_pad, tmp_
     must still be learnt (else the model never learns to stop)."""
     import trl
 
-    from slmsql import configs, toyworld
+    from slmsql import configs
+    from slmsql.toy import world as toyworld
     from slmsql.stages import sft
 
     toyworld.generate(tmp_path / "world", seed=0, size="small")
@@ -90,7 +92,7 @@ def test_end_of_turn_token_is_found_from_the_chat_template(eot_not_eos):
     lm, tok = models.load_model(eot_not_eos)
     im_end = tok.convert_tokens_to_ids(IM_END)
     assert tok.eos_token == ENDOFTEXT and models.end_of_turn_id(tok) == im_end
-    assert im_end in lm.generation_config.eos_token_id  # generation.py and TRL's rollouts both stop on these
+    assert im_end in lm.generation_config.eos_token_id  # generation/sampling.py and TRL's rollouts both stop on these
 
 
 def test_generation_stops_at_the_end_of_turn_token(eot_not_eos):

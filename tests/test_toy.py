@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from slmsql import toyworld as toy
-from slmsql.data import DIFFICULTIES, check_databases, db_path, read_gold, schema_of
+from slmsql.toy import world as toy
+from slmsql.inputs.data import DIFFICULTIES, check_databases, db_path, read_gold, schema_of
 from slmsql.errors import SlmsqlError
 
 SPLITS = ("sft", "rl_source", "dev", "dev_cross")

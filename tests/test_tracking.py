@@ -38,7 +38,7 @@ def test_example_predictions_score_with_every_status(tmp_path):
 
 
 def test_server_store_is_a_sqlite_file_or_a_uri_as_given(tmp_path, monkeypatch):
-    from slmsql.tracking import server_command
+    from slmsql.tracking.runs import server_command
 
     monkeypatch.chdir(tmp_path)
     cmd = server_command("127.0.0.1", 5000, "store.db", Path("art"))
@@ -52,7 +52,7 @@ def test_server_store_is_a_sqlite_file_or_a_uri_as_given(tmp_path, monkeypatch):
 def test_server_cli_passes_backend_store_uri(monkeypatch):
     import signal
 
-    from slmsql import tracking
+    from slmsql.tracking import runs as tracking
 
     seen = {}
 
@@ -82,8 +82,9 @@ def test_every_run_that_samples_system_metrics_has_them_however_short(tmp_path, 
     through an outbox (sft, grpo)."""
     import mlflow
 
-    from slmsql import configs, tracking
-    from slmsql.durable import Outbox
+    from slmsql import configs
+    from slmsql.tracking import runs as tracking
+    from slmsql.tracking.durable import Outbox
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "3600")
     cfg = configs.load(configs.SFTStageConfig, None, {})

@@ -13,7 +13,9 @@ import pytest
 from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, models, training
+from slmsql import configs
+from slmsql.policy import models
+from slmsql.training import hf_trainer as training
 from slmsql.cli import main as cli
 from slmsql.stages import grpo, sft
 

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import mlflow
 import pytest
 
-from slmsql import configs, descriptions, figures, tables, tracking, vocabulary
+from slmsql import configs
+from slmsql.tracking import descriptions, figures, tables, runs as tracking, vocabulary
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate
 
@@ -102,7 +103,7 @@ def test_evaluation_descriptions_state_the_result(paired):
 def test_each_evaluation_states_its_result_in_one_cell_and_prints_the_view(paired):
     """The runs table's view groups by eval set and shows each evaluation's result tag, formatted as
     wording.result says; `slmsql evaluate` prints it and the link that opens the view."""
-    from slmsql import wording
+    from slmsql.stats import wording
 
     metrics = json.loads(Path(mlflow.MlflowClient(paired.uri).download_artifacts(
         paired.best.info.run_id, "metrics.json", str(Path(paired.fetched).parent.parent / "m"))).read_text())
@@ -162,7 +163,7 @@ def test_documented(name, stage, ok):
 def test_a_stage_logging_an_undocumented_metric_fails(paired, tmp_path, monkeypatch):
     from policy import tracking_store
 
-    from slmsql import scoring
+    from slmsql.sql import scoring
 
     summary = scoring.ex_summary
     monkeypatch.setattr(evaluate, "ex_summary", lambda results: {**summary(results), "ex_a": 0.5})
@@ -221,7 +222,7 @@ def test_completions_table_is_readable():
     import numpy as np
     import pandas as pd
 
-    from slmsql.data import Example
+    from slmsql.inputs.data import Example
 
     ex = Example("q1", "shop", "How many customers?", "SELECT COUNT(*) FROM customer")
     prompt = [{"role": "system", "content": "You write SQL."}, {"role": "user", "content": "schema\nHow many customers?"}]
@@ -300,7 +301,7 @@ def test_files_a_run_keeps_name_runs_and_project_paths(tmp_path, monkeypatch):
 def test_results_rows_of_an_older_slmsql_read_in_todays_names():
     """results.jsonl names an answer's outcome and SQL as the tables do (`status`: correct, wrong_result, error...;
     `predicted_sql`); a baseline run written before (`status` ok for SQL that ran, `pred_sql`) reads the same."""
-    from slmsql.scoring import result_row
+    from slmsql.sql.scoring import result_row
 
     old = [{"id": "a", "correct": True, "status": "ok", "pred_sql": "SELECT 1"},
            {"id": "b", "correct": False, "status": "ok", "pred_sql": "SELECT 2"},

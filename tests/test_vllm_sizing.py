@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slmsql import configs, vllm_engine, vllm_memory, vllm_rollouts
+from slmsql import configs
+from slmsql.generation import vllm_engine, vllm_memory, vllm_rollouts
 from slmsql.errors import SlmsqlError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,7 @@ def test_the_qwen_recipe_fits_trls_share_of_a_24_gib_card_only_with_the_new_sizi
 def test_a_card_too_small_is_refused_before_any_model_loads_with_the_numbers(tmp_path, monkeypatch):
     import torch
 
-    from slmsql import models
+    from slmsql.policy import models
 
     cfg, args = _recipe("qwen2.5-coder-1.5b", tmp_path)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))

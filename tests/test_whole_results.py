@@ -12,10 +12,10 @@ import sqlite3
 import pytest
 from inline import InlineExecutor
 
-from slmsql.matching import Digests, results_match
-from slmsql.passrates import question_rows
-from slmsql.sandbox import Limits, SandboxPool, Whole, execute
-from slmsql.scoring import ex_summary, judge
+from slmsql.sql.matching import Digests, results_match
+from slmsql.sql.passrates import question_rows
+from slmsql.sql.sandbox import Limits, SandboxPool, Whole, execute
+from slmsql.sql.scoring import ex_summary, judge
 
 N = 30_000
 GOLD = "SELECT id, name FROM big"  # no ORDER BY: row order is not part of the answer in either mode
@@ -77,7 +77,7 @@ def test_the_gold_really_is_read_as_digests(db):
 
 @pytest.mark.parametrize("match", ["bird", "spider"])
 def test_values_compare_as_today_past_the_row_cap(db, match):
-    """1 == 1.0, 0.1 * 3 == 3 / 10.0 (9 significant digits), '5' != 5: digests keep matching.py's rules."""
+    """1 == 1.0, 0.1 * 3 == 3 / 10.0 (9 significant digits), '5' != 5: digests keep sql/matching.py's rules."""
     cases = {"int_for_real": ("SELECT id, id FROM big", True),
              "text_for_real": ("SELECT id, CAST(id AS TEXT) FROM big", False)}
     verdicts, _ = _verdicts(db, "SELECT id, score FROM big", cases, match)
@@ -129,7 +129,7 @@ def test_a_gold_over_the_digest_budget_is_gold_too_large(db):
 
 
 def test_the_filter_puts_a_gold_too_large_in_errors(db, tmp_path):
-    from slmsql.data import Example
+    from slmsql.inputs.data import Example
 
     root = tmp_path / "dbs"
     (root / "big").mkdir(parents=True)

@@ -1,6 +1,6 @@
 """How numbers are written in cards and run descriptions."""
 
-from slmsql.wording import duration, pct, points, pts, pval
+from slmsql.stats.wording import duration, pct, points, pts, pval
 
 
 def test_numbers_in_words():
@@ -16,7 +16,7 @@ def test_durations_in_words():
 
 
 def test_a_comparison_in_one_table_cell():
-    from slmsql.wording import ex_result, result
+    from slmsql.stats.wording import ex_result, result
 
     c = {"ex_a": 0.370, "ex_b": 0.395, "diff": -0.025, "diff_ci_low": -0.067, "diff_ci_high": 0.024,
          "mcnemar_p": 0.3833103, "verdict": "no significant difference"}

@@ -12,8 +12,11 @@ import typing
 
 import click
 
-from . import configs, distributed, tracking
-from .errors import SlmsqlError
+from slmsql import configs
+from slmsql.errors import SlmsqlError
+from slmsql.runtime import distributed
+from slmsql.tracking import runs as tracking
+
 
 def stage_module(stage: str) -> str:
     """`tiny-model` -> `slmsql.stages.tiny_model`: the one rule from a command to its module."""
@@ -93,7 +96,7 @@ for _stage, _cls in configs.STAGES.items():
 @main.command("mlproject")
 def mlproject_cmd():
     """Print the MLproject file generated from the stage configs."""
-    from .mlproject import render
+    from slmsql.workflow.mlproject import render
 
     click.echo(render(), nl=False)
 
@@ -109,7 +112,7 @@ def server_cmd(host, port, store, backend_store_uri, artifacts):
     """Start a real `mlflow server` (served artifacts, no job runner) and keep it in the foreground."""
     import signal
 
-    from .tracking import start_server
+    from slmsql.tracking.runs import start_server
 
     proc, uri = start_server(host, port, backend_store_uri or store, artifacts)
     click.echo(f"MLflow server ready. In other shells:\n  export MLFLOW_TRACKING_URI={uri}\n"
@@ -134,7 +137,8 @@ def sync_tracking_cmd(folder, resend_refused):
     did not answer or turned its credentials away, in order; the run then ends as the stage ended it. FOLDER is
     deleted once all are sent. Then show the records the server refused (set aside in `FOLDER.refused.jsonl`,
     their files in `FOLDER.refused/`), with its reasons."""
-    from .durable import refused, refused_file, resend_refused as resend, sync
+    from slmsql.tracking.durable import refused, refused_file, sync
+    from slmsql.tracking.durable import resend_refused as resend
 
     aside = refused(folder)
     if os.path.exists(folder) or not aside:  # an outbox all sent is gone; what it set aside is not
@@ -155,7 +159,7 @@ def sync_tracking_cmd(folder, resend_refused):
 @click.option("--limit", default=20, show_default=True, type=int)
 def runs_cmd(experiment, limit):
     """A compact table of the latest runs of each stage in the tracking store."""
-    from .tracking import runs_table
+    from slmsql.tracking.runs import runs_table
 
     click.echo(runs_table(experiment, limit))
 
@@ -163,7 +167,7 @@ def runs_cmd(experiment, limit):
 def reference_markdown() -> str:
     """The docs' CLI reference (docs/cli.md, through docs/hooks.py): every stage's options as the commands above
     define them from configs.py: flag, type, default, help, and the key a recipe sets."""
-    from .mlproject import entry_point
+    from slmsql.workflow.mlproject import entry_point
 
     def type_name(hint, f):
         if "choices" in f.metadata:

@@ -21,12 +21,12 @@ import json
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
-from .errors import DataError, SlmsqlError
+from slmsql.errors import DataError, SlmsqlError
 
 
 def opt(default, help: str, **meta):
@@ -39,7 +39,7 @@ def opt(default, help: str, **meta):
 class Common:
     key_metrics: ClassVar = ()  # what `slmsql runs` shows for this stage
     # Whether the stage runs as several processes under torchrun / `accelerate launch` (one MLflow run, one
-    # output: see distributed.py); the others refuse such a launch.
+    # output: see runtime/distributed.py); the others refuse such a launch.
     multiprocess: ClassVar = False
     output_dir: str = opt("outputs/run", "Folder for this stage's outputs (refused if not empty unless --overwrite).")
     overwrite: bool = opt(False, "Allow writing into a non-empty output folder.")
@@ -137,7 +137,7 @@ class Model(Backend, Precision, PolicyPrompt):
 class Sampling:
     """The sampling distribution of the filter's K samples and of GRPO's rollouts: one set of fields mixed into
     both, so the band is measured under the distribution GRPO trains with. Each is passed explicitly (to TRL's
-    GRPOConfig field of the same name, to generation.py's sampler), so a checkpoint's generation_config.json
+    GRPOConfig field of the same name, to generation/sampling.py's sampler), so a checkpoint's generation_config.json
     (Qwen instruct: top_p 0.8, top_k 20, repetition_penalty 1.05) never fills one in. Evaluate is greedy."""
 
     temperature: float = opt(0.8, "Sampling temperature.")

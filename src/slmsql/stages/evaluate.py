@@ -10,13 +10,14 @@ import logging
 import tempfile
 from pathlib import Path
 
-from .. import stats, tables
-from ..configs import EvaluateConfig
-from ..data import check_databases, read_gold, read_jsonl, read_predictions, write_json, write_jsonl
-from ..errors import DataError, SlmsqlError
-from ..figures import ex_figure
-from ..outputs import Staged
-from ..scoring import ex_summary, result_row
+from slmsql.configs import EvaluateConfig
+from slmsql.errors import DataError, SlmsqlError
+from slmsql.inputs.data import check_databases, read_gold, read_jsonl, read_predictions, write_json, write_jsonl
+from slmsql.runtime.outputs import Staged
+from slmsql.sql.scoring import ex_summary, result_row
+from slmsql.stats import inference
+from slmsql.tracking import tables
+from slmsql.tracking.figures import ex_figure
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
     way."""
     import mlflow
 
-    from .. import tracking
+    from slmsql.tracking import runs as tracking
 
     run = tracking.stage_run_of(mlflow.MlflowClient(), run_id, "evaluate", "baseline")
     tags = run.data.tags
@@ -46,7 +47,9 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, lineage, tracking, vocabulary, wording
+    from slmsql.stats import wording
+    from slmsql.tracking import descriptions, lineage, vocabulary
+    from slmsql.tracking import runs as tracking
 
     examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
@@ -60,28 +63,26 @@ def main(cfg: EvaluateConfig) -> dict:
     if cfg.baseline_run:  # checked before any model loads
         tracking.configure()
         baseline_run, baseline = fetch_baseline(cfg.baseline_run, dataset, cfg.match, [e.id for e in examples])
-    from .. import engines, promptcheck
-    from ..models import load_tokenizer, policy_folder
+    from slmsql.generation import engines
+    from slmsql.policy.resolve import Policy
 
-    work = engines.Work("evaluate", cfg)
-    engines.check_settings(work, generating=not cfg.predictions)
-    prompt, token_metrics = {}, {}
+    engines.check_settings(engines.Work("evaluate", cfg), generating=not cfg.predictions)
+    policy, token_metrics = None, {}
     if not cfg.predictions:  # the policy's prompt settings and the prompts' token budget, before the model loads
-        prompt, token_metrics = promptcheck.preflight(
-            cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
-            new_tokens=cfg.max_new_tokens)
-    policy = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
+        policy = Policy.resolve(cfg, cfg.adapter, local=cfg.engine != "ray")  # Ray's actors resolve the dtype there
+        token_metrics = policy.check_prompts(cfg, examples, new_tokens=cfg.max_new_tokens)
+    work = engines.Work("evaluate", cfg, policy)
+    loaded = engines.check(work, generating=not cfg.predictions, examples=examples)  # a bad model: no output, no run
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
-            "slmsql.model": tracking.portable(cfg.model) or "predictions-file",
-            "slmsql.adapter": tracking.portable(cfg.adapter or "")}
-    with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **promptcheck.params(prompt)},
+            **(policy.tags() if policy else {"slmsql.model": tracking.portable(cfg.model) or "predictions-file"})}
+    with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **(policy.params() if policy else {})},
                                 tags=tags) as run:
         work_dir = st.work
         mlflow.log_metrics(token_metrics)
         data = tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}
         engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
-                    payloads=preds if cfg.predictions else None, policy=policy)
+                    payloads=preds if cfg.predictions else None, policy=loaded)
         results = [got[e.id][1] for e in examples]
         if not cfg.predictions:
             preds = {e.id: got[e.id][0] for e in examples}
@@ -89,7 +90,7 @@ def main(cfg: EvaluateConfig) -> dict:
         metrics = ex_summary(results)
         comparison = None
         if baseline is not None:
-            comparison = stats.compare([r["correct"] for r in results],
+            comparison = inference.compare([r["correct"] for r in results],
                                        [bool(baseline[r["id"]]["correct"]) for r in results], alpha=cfg.alpha)
             metrics["comparison"] = {"baseline_run": cfg.baseline_run, **comparison}
             mlflow.log_metrics(vocabulary.comparison_metrics(comparison))

@@ -13,12 +13,12 @@ import json
 import logging
 import os
 
-from ..configs import FilterConfig
-from ..data import dumps, read_gold, write_json, write_jsonl
-from ..errors import DataError, SlmsqlError
-from ..outputs import Staged
-from ..figures import histogram_figure
-from ..passrates import CHUNK, bucket_summary, load_finished
+from slmsql.configs import FilterConfig
+from slmsql.errors import DataError, SlmsqlError
+from slmsql.inputs.data import dumps, read_gold, write_json, write_jsonl
+from slmsql.runtime.outputs import Staged
+from slmsql.sql.passrates import CHUNK, bucket_summary, load_finished
+from slmsql.tracking.figures import histogram_figure
 
 log = logging.getLogger(__name__)
 RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "backend", "dtype", "k", "temperature", "top_p",
@@ -30,28 +30,29 @@ def main(cfg: FilterConfig) -> dict:
     import mlflow
     from tqdm import tqdm
 
-    from .. import datachecks, descriptions, engines, lineage, promptcheck, tracking, wording
-    from ..models import load_tokenizer, policy_folder
+    from slmsql.checks import datachecks
+    from slmsql.generation import engines
+    from slmsql.policy.resolve import Policy
+    from slmsql.stats import wording
+    from slmsql.tracking import descriptions, lineage
+    from slmsql.tracking import runs as tracking
 
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
         raise DataError(f"need k >= 1 and 0 <= low < high <= 1, got k={cfg.k} low={cfg.low} high={cfg.high}")
     examples = read_gold(cfg.data)[:cfg.limit or None]
-    work = engines.Work("filter", cfg)
-    engines.check_settings(work, generating=True)
-    prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.adapter),
-        new_tokens=cfg.max_new_tokens)
+    engines.check_settings(engines.Work("filter", cfg), generating=True)
+    policy = Policy.resolve(cfg, cfg.adapter, local=cfg.engine != "ray")  # Ray's actors resolve the dtype there
+    work = engines.Work("filter", cfg, policy)
+    token_metrics = policy.check_prompts(cfg, examples, new_tokens=cfg.max_new_tokens)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     # A bad model path fails here, before a .partial folder and a run exist that a corrected rerun would
     # then refuse to resume ("unfinished run with other parameters").
-    policy = engines.check(work, generating=True, examples=examples)
+    loaded = engines.check(work, generating=True, examples=examples)
 
     # sample and score on the engine; every finished row goes to disk at once (resume)
-    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.adapter": tracking.portable(cfg.adapter)}
-    with st, tracking.stage_run("filter", cfg, {**engines.run_params(work), **promptcheck.params(prompt)}, tags=tags,
-                                run_id=st.run_id,
-                                system_metrics=True) as run:
+    with st, tracking.stage_run("filter", cfg, {**engines.run_params(work), **policy.params()}, tags=policy.tags(),
+                                run_id=st.run_id, system_metrics=True) as run:
         st.bind(run.info.run_id)
         mlflow.log_metrics(token_metrics)
         lineage.log_model_input(run.info.run_id, lineage.policy_model(run.info.experiment_id, cfg.model, cfg.adapter))
@@ -67,7 +68,7 @@ def main(cfg: FilterConfig) -> dict:
                 done.update((row["id"], row) for _, _, row in items)
                 bar.update(len(items))
 
-            engines.run(work, todo, on_rows, chunk=CHUNK, policy=policy)
+            engines.run(work, todo, on_rows, chunk=CHUNK, policy=loaded)
         bar.close()
         rows = [done[e.id] for e in examples]
         write_jsonl(work_dir / "passrates.jsonl", rows)  # source order, whatever order the engine finished in

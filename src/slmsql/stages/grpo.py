@@ -5,8 +5,8 @@ MLflow gets TRL's metrics (names made safe), the reward's execution-status mix a
 group fraction, sampled completions as tables every `completions_every` steps, a run summary, and the final
 adapter with its tokenizer and resolved config. `--resume` continues the crashed run in the same MLflow run.
 Under torchrun / `accelerate launch` every process generates and trains on its share of each batch, with
-its own sandbox pool; the main process alone logs to MLflow and writes the adapter (distributed.py).
-`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (vllm_rollouts.py).
+its own sandbox pool; the main process alone logs to MLflow and writes the adapter (runtime/distributed.py).
+`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (generation/vllm_rollouts.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import logging
 import time
 
-from ..configs import GRPOStageConfig
-from ..data import db_path, read_gold, write_json
-from ..errors import SlmsqlError
-from ..outputs import Staged
+from slmsql.configs import GRPOStageConfig
+from slmsql.errors import SlmsqlError
+from slmsql.inputs.data import db_path, read_gold, write_json
+from slmsql.runtime.outputs import Staged
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,10 @@ DROPOUT_ON = ("trainer_args disable_dropout=false: GRPO trains with dropout off 
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
-    from .. import distributed, grpo_variants, vllm_rollouts
-    from ..rewards import check
+    from slmsql.generation import vllm_rollouts
+    from slmsql.rewards.registry import check
+    from slmsql.runtime import distributed
+    from slmsql.training import grpo_variants
 
     check(cfg.rewards, cfg.reward_weights)
     grpo_variants.check(cfg, world_size=distributed.world_size())
@@ -46,7 +48,7 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
     if cfg.trainer_args.get("use_vllm"):  # refused where it cannot run; TRL's version warning, said loudly
-        from ..vllm_engine import check_trl
+        from slmsql.generation.vllm_engine import check_trl
 
         if note := check_trl(cfg.trainer_args):
             log.warning(note)
@@ -54,16 +56,54 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
         log.warning("%s has no pass_rate column: training on it as plain data, not a filtered band", cfg.data)
 
 
+def reward_rows(cfg: GRPOStageConfig, examples) -> list[dict]:
+    """TRL's conversational prompts; `sql`, `db_path` and `id` reach the reward functions as columns."""
+    from slmsql.inputs.prompts import builder_for
+
+    builder = builder_for(cfg)
+    return [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id, "db_path": str(db_path(cfg.db_root, e.db_id))}
+            for e in examples]
+
+
+def save(cfg, trainer, tokenizer, policy, work, outbox, summary: dict, *, model_id, merged) -> None:
+    """The adapter (PEFT format) + tokenizer + resolved config, logged to the run; by the main process only (every
+    process holds the same weights after the last synchronised step)."""
+    from slmsql.stats import wording
+    from slmsql.tracking import descriptions, figures
+    from slmsql.tracking import runs as tracking
+    from slmsql.training import hf_trainer
+
+    final = work / "adapter"
+    hf_trainer.save_policy(trainer.model, tokenizer, final)
+    # its prompt settings; a LoRA records the plain base model, so what it was trained on top of is kept beside it
+    # (policy/models.py, `merged`); a full model stacked on a merged adapter holds that adapter already (None)
+    policy.record(final, merged=merged)
+    write_json(final / "slmsql_grpo_config.json", tracking.portable_config(cfg))
+    outbox.log_metrics(summary)
+    outbox.set_tag(tracking.NOTE, descriptions.grpo_note(summary))
+    outbox.set_tag(tracking.RESULT, wording.signal_result(summary))
+    if (curves := figures.training_curves(trainer.state.log_history)) is not None:
+        outbox.log_figure(curves, "training_curves.png")
+    outbox.log_artifacts(final, "adapter")
+    if model_id:  # an adapter, a few megabytes: the model's own files too (a full model stays the run's artifact)
+        outbox.log_model_artifact(model_id, final)
+    write_json(work / "summary.json", summary)
+    outbox.log_artifact(work / "summary.json")
+
+
 def main(cfg: GRPOStageConfig) -> dict:
     import mlflow
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from .. import (descriptions, distributed, durable, figures, grpo_variants, lineage, promptcheck, rewards,
-                    shared_prefix, tables, tracking, training, vllm_engine, vllm_rollouts, wording)
-    from ..models import check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
-    from ..prompts import builder_for
-    from ..sandbox import Limits, SandboxPool
+    from slmsql.generation import shared_prefix, vllm_engine, vllm_rollouts
+    from slmsql.policy.resolve import Policy
+    from slmsql.rewards import registry as rewards
+    from slmsql.runtime import distributed
+    from slmsql.sql.sandbox import Limits, SandboxPool
+    from slmsql.tracking import durable, lineage, tables
+    from slmsql.tracking import runs as tracking
+    from slmsql.training import grpo_variants, hf_trainer
 
     # args: data, rewards, batch shape and adapter are all checked before any model loads
     examples = read_gold(cfg.data)
@@ -71,39 +111,32 @@ def main(cfg: GRPOStageConfig) -> dict:
     if missing:
         raise SlmsqlError(f"{cfg.data}: no database for db_id {missing[:5]} under {cfg.db_root}")
     check_args(cfg, examples)
-    if cfg.base_adapter:
-        check_adapter_base(cfg.base_adapter, cfg.model)
-    prompt, token_metrics = promptcheck.preflight(
-        cfg, examples, load_tokenizer(cfg.model), policy=policy_folder(cfg.model, cfg.base_adapter),
-        new_tokens=cfg.max_completion_length)
+    policy = Policy.resolve(cfg, cfg.base_adapter)  # the base, the adapter GRPO starts from, their prompt settings
+    token_metrics = policy.check_prompts(cfg, examples, new_tokens=cfg.max_completion_length)
     identity = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "overwrite", "run_name")}
     identity["world_size"] = distributed.world_size()  # the global batch, hence the run, depends on it
     st = Staged(cfg.output_dir, cfg.overwrite, identity=identity, resume=cfg.resume)
     # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
     # initialises the process group, which the output folder and the run below coordinate through
-    args = training.trl_config(
+    args = hf_trainer.trl_config(
         GRPOConfig, cfg, st.work, save_strategy="steps", log_completions=True, num_completions_to_print=0,
         gradient_checkpointing=False, disable_dropout=True)  # DROPOUT_ON: the new LoRA's and a continued one's
     if note := vllm_rollouts.preflight(cfg, args, token_metrics["tokens/prompt_max"]):  # refuses what cannot fit
         log.info(note)
     # adapter_mode only means something with a base adapter: no tag (the card reads "none") rather than one
     # that contradicts the param (its default)
-    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter),
-            "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else ""}
+    tags = {**policy.tags("slmsql.base_adapter"), "slmsql.adapter_mode": cfg.adapter_mode if cfg.base_adapter else ""}
 
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # adapter is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    params = {**promptcheck.params(prompt), **vllm_engine.run_params(cfg)}
+    params = {**policy.params(), **vllm_engine.run_params(cfg)}
     with outbox, st, tracking.stage_run("grpo", cfg, params, tags=tags, run_id=st.run_id, system_metrics=True,
                                         outbox=outbox) as run, \
             SandboxPool(cfg.workers or None, Limits(timeout_s=cfg.timeout_s)) as pool:
         st.bind(run.info.run_id)
         work, main = st.work, distributed.is_main()
-        # data: conversational prompts; `sql`, `db_path`, `id` reach the reward functions as columns
-        builder = builder_for(cfg)
-        rows = [{"prompt": builder.messages(e), "sql": e.sql, "id": e.id,
-                 "db_path": str(db_path(cfg.db_root, e.db_id))} for e in examples]
+        rows = reward_rows(cfg, examples)  # data
         continue_adapter = bool(cfg.base_adapter) and cfg.adapter_mode == "continue"
         peft = cfg.use_lora or continue_adapter  # else a full model (no LoRA, or stacked on a merged adapter)
         if main:  # the policy's LoggedModel (a resumed run keeps its own), finalized with the run
@@ -113,12 +146,8 @@ def main(cfg: GRPOStageConfig) -> dict:
             mlflow.log_metrics(token_metrics)
 
         # model: continue the SFT adapter, or merge it and stack a new one, or a fresh LoRA / full model
-        if cfg.base_adapter and not continue_adapter:
-            model, tokenizer = load_model(cfg.model, cfg.base_adapter, merge_adapter=True, dtype=cfg.dtype)
-            model.requires_grad_(True)
-        else:
-            model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True, dtype=cfg.dtype)
-        peft_config = training.lora_config(cfg) if cfg.use_lora and not continue_adapter else None
+        model, tokenizer = policy.load_to_train(merge_adapter=bool(cfg.base_adapter) and not continue_adapter)
+        peft_config = hf_trainer.lora_config(cfg) if cfg.use_lora and not continue_adapter else None
 
         # rewards: registry functions bound to this run's sandbox and tiers (and, for the correctness-aware
         # options, to the hook through which the trainer reads each completion's execution outcome)
@@ -128,7 +157,7 @@ def main(cfg: GRPOStageConfig) -> dict:
 
         # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks; each
         # prompt computed once per micro-batch and prefilled once (shared_prefix), its state in a tag
-        training.compact_fused_head()
+        hf_trainer.compact_fused_head()
         if cfg.shared_prefix:
             Trainer = shared_prefix.trainer_class(
                 Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix.TAG, text)) if main else None)
@@ -137,38 +166,22 @@ def main(cfg: GRPOStageConfig) -> dict:
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,
-                          callbacks=[training.metrics_callback(outbox),
-                                     training.completions_logger(outbox, work, cfg.completions_every, {
+                          callbacks=[hf_trainer.metrics_callback(outbox),
+                                     hf_trainer.completions_logger(outbox, work, cfg.completions_every, {
                                          tables.prompt_key(r["prompt"]): e for r, e in zip(rows, examples)},
                                          cfg.rewards)])
-        training.quiet_progress(trainer)
+        hf_trainer.quiet_progress(trainer)
         t0 = time.time()
         # the main process picks the checkpoint, so every process resumes from the same one
-        resume_from = distributed.from_main(lambda: training.last_checkpoint(work)) if cfg.resume else None
+        resume_from = distributed.from_main(lambda: hf_trainer.last_checkpoint(work)) if cfg.resume else None
         trainer.train(resume_from_checkpoint=resume_from)
 
-        # save: the adapter (PEFT format) + tokenizer + resolved config, logged to the run; by the main
-        # process only (every process holds the same weights after the last synchronised step)
-        summary = {**training.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
+        # save: by the main process only
+        summary = {**hf_trainer.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step}
         if main:
-            final = work / "adapter"
-            training.save_policy(trainer.model, tokenizer, final)
-            if cfg.base_adapter and (continue_adapter or peft_config is not None):
-                # the LoRA records the plain base model: keep what it was trained on top of beside it (models.py)
-                record_stack(final, cfg.base_adapter, merged=not continue_adapter)
-            write_json(final / "slmsql_grpo_config.json", tracking.portable_config(cfg))
-            promptcheck.record(final, prompt)
-            outbox.log_metrics(summary)
-            outbox.set_tag(tracking.NOTE, descriptions.grpo_note(summary))
-            outbox.set_tag(tracking.RESULT, wording.signal_result(summary))
-            if (curves := figures.training_curves(trainer.state.log_history)) is not None:
-                outbox.log_figure(curves, "training_curves.png")
-            outbox.log_artifacts(final, "adapter")
-            if peft:  # a few megabytes: the model's own files too (a full model stays the run's artifact)
-                outbox.log_model_artifact(model_id, final)
-            write_json(work / "summary.json", summary)
-            outbox.log_artifact(work / "summary.json")
+            save(cfg, trainer, tokenizer, policy, work, outbox, summary, model_id=model_id if peft else None,
+                 merged=not continue_adapter if continue_adapter or peft_config is not None else None)
     log.info("GRPO done: %s", json.dumps(summary))
     return summary
 

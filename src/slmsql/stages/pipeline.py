@@ -9,21 +9,22 @@ zero-shot first (`eval-zeroshot-<split>`, the SFT evaluations' baselines), and t
 SFT adapter then rides on that model through filter, GRPO (which trains it further) and evaluation.
 
 Each step is its own `mlflow.run` (local env manager) under one parent run, reused when a finished run with
-the same parameters and code version exists (`slmsql.workflow`).
+the same parameters and code version exists (`slmsql.workflow.steps`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..configs import PipelineConfig
-from ..workflow import Steps, use_this_cli
+from slmsql.configs import PipelineConfig
+from slmsql.workflow.steps import Steps, use_this_cli
 
 
 def main(cfg: PipelineConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking
+    from slmsql.tracking import descriptions
+    from slmsql.tracking import runs as tracking
 
     use_this_cli()
     with tracking.stage_run("pipeline", cfg) as parent:

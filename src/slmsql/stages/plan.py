@@ -12,11 +12,11 @@ import json
 import math
 from pathlib import Path
 
-from ..data import write_json
-from ..errors import DataError
-from ..outputs import Staged
-from ..power import Components, check_target, plan, seed_variance_interval
-from ..stats import StatsError
+from slmsql.errors import DataError
+from slmsql.inputs.data import write_json
+from slmsql.runtime.outputs import Staged
+from slmsql.stats.inference import StatsError
+from slmsql.stats.power import Components, check_target, plan, seed_variance_interval
 
 NEEDED = ("variant", "eval_set", "n", "diff", "var_question", "var_within", "var_seed")
 
@@ -133,7 +133,7 @@ def _json(v):
 def main(cfg) -> list[dict]:
     import mlflow
 
-    from .. import tracking
+    from slmsql.tracking import runs as tracking
 
     rows, pilot_seeds, pilot_family, notes = comparisons(cfg)  # every check before the run starts
     family = cfg.family or pilot_family

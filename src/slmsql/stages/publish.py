@@ -4,7 +4,7 @@ args (repo ids, registry name, token) -> runs (exist, finished, right stage, one
 and generation settings) -> cards -> card checks -> OUT/ (exactly what is pushed: the adapter files + README.md;
 with --base-repo also OUT/base/, the local base model + its own card) -> Hub: the base's commit to --base-repo
 first (the adapter card names it as base_model), then one upload_folder commit of the adapter -> Hub URLs and
-commits back on the GRPO run -> the `text2sql` MLflow model (slmsql.text2sql: adapter, base, prompt and
+commits back on the GRPO run -> the `text2sql` MLflow model (slmsql.publishing.text2sql: adapter, base, prompt and
 generation settings) logged to the GRPO run -> a Model Registry version of that model, with an alias.
 --dry-run pushes nothing and takes nothing a push made: its model is a LoggedModel of its own made from the
 written folder (a local registry needs no Hub), never the GRPO policy's, registered under the alias `dry-run`
@@ -32,15 +32,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .. import card as cards
-from .. import descriptions, tracking
-from ..configs import PublishConfig
-from ..data import write_json
-from ..errors import SlmsqlError
-from ..hub import check_repo_id, hub_id, hub_token, push, same_model
-from ..lineage import MODEL_TAG
-from ..outputs import Staged, link_or_copy
-from ..registry import register, registry_name
+from slmsql.configs import PublishConfig
+from slmsql.errors import SlmsqlError
+from slmsql.inputs.data import write_json
+from slmsql.inputs.sources import hub_id, same_model
+from slmsql.publishing import card as cards
+from slmsql.publishing.hub import check_repo_id, hub_token, push
+from slmsql.publishing.registry import register, registry_name
+from slmsql.runtime.outputs import Staged, link_or_copy
+from slmsql.tracking import descriptions
+from slmsql.tracking import runs as tracking
+from slmsql.tracking.lineage import MODEL_TAG
 
 log = logging.getLogger(__name__)
 REQUIRED = ("base_model", "license", "tags", "model-index")
@@ -57,8 +59,8 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     """Every run the card cites, checked; returns them and the downloaded adapter folder."""
     import mlflow
 
-    from ..models import check_adapter_base
-    from ..text2sql import settings_from_runs
+    from slmsql.policy.models import check_adapter_base
+    from slmsql.publishing.text2sql import settings_from_runs
 
     client = mlflow.MlflowClient()
     sweep_run, sweep, eval_runs = None, None, cfg.eval_runs
@@ -230,7 +232,7 @@ def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, nam
     SFT model) is named by its URI and fetched when the model loads; another local base gets no model."""
     import mlflow
 
-    from ..text2sql import log_text2sql, stage_base
+    from slmsql.publishing.text2sql import log_text2sql, stage_base
 
     result = {} if cfg.dry_run else push_all(cfg, token, out, runs)
     model = runs.grpo.data.tags.get("slmsql.model", "")

@@ -3,7 +3,7 @@
 args -> data -> model -> trainer -> save. The output folder is a loadable policy: a full model
 (`--model OUT`) or a PEFT adapter (`--adapter OUT`), with the tokenizer, either way.
 Under torchrun / `accelerate launch` every process trains on its share of each batch; the main process alone
-logs to MLflow and writes the policy (distributed.py).
+logs to MLflow and writes the policy (runtime/distributed.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 
-from ..configs import SFTStageConfig
-from ..data import check_databases, read_gold, write_json
-from ..errors import SlmsqlError
-from ..outputs import Staged
-from ..prompts import answer, builder_for
+from slmsql.configs import SFTStageConfig
+from slmsql.errors import SlmsqlError
+from slmsql.inputs.data import check_databases, read_gold, write_json
+from slmsql.inputs.prompts import answer, builder_for
+from slmsql.runtime.outputs import Staged
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +32,26 @@ def main(cfg: SFTStageConfig) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from .. import descriptions, distributed, durable, lineage, promptcheck, tokens, tracking, training, wording
-    from ..models import STACK_BASE, check_adapter_base, load_model, load_tokenizer, policy_folder, record_stack
+    from slmsql.inputs import tokens
+    from slmsql.policy.models import STACK_BASE
+    from slmsql.policy.resolve import Policy
+    from slmsql.runtime import distributed
+    from slmsql.stats import wording
+    from slmsql.tracking import descriptions, durable, lineage
+    from slmsql.tracking import runs as tracking
+    from slmsql.training import hf_trainer
 
     # args: every check before any model loads, the token budget and the prompt settings included
     examples = read_gold(cfg.data)
     check_databases(examples, cfg.db_root, cfg.data)
     st = Staged(cfg.output_dir, cfg.overwrite)
-    if cfg.base_adapter:
-        check_adapter_base(cfg.base_adapter, cfg.model)
-    tokenizer = load_tokenizer(cfg.model)
-    prompt = promptcheck.settings(cfg, tokenizer)
-    promptcheck.check_trained_with(policy_folder(cfg.model, cfg.base_adapter), prompt,
-                                   cfg.allow_prompt_change)
+    policy = Policy.resolve(cfg, cfg.base_adapter)  # the base, the adapter SFT continues, their prompt settings
     rows = conversations(cfg, examples)
-    keep, token_metrics = tokens.check_sft(tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
+    keep, token_metrics = tokens.check_sft(policy.tokenizer, rows, [e.id for e in examples], max_length=cfg.max_length,
                                            drop=cfg.drop_long, source=cfg.data)
     # also refuses unknown or slmsql-owned trainer_args, before any model loads; under a launcher it also
     # initialises the process group, which the output folder and the run below coordinate through
-    args = training.trl_config(
+    args = hf_trainer.trl_config(
         SFTConfig, cfg, st.work / "checkpoints", lr_scheduler_type="cosine",
         warmup_steps=min(30, cfg.max_steps // 10), logging_steps=max(1, cfg.max_steps // 50), save_strategy="no",
         gradient_checkpointing=False, dataloader_num_workers=0)
@@ -58,8 +59,7 @@ def main(cfg: SFTStageConfig) -> dict:
     # what the run logs from here on survives a tracking outage; the outbox waits for the server only once the
     # policy is in its final folder (it exits last)
     outbox = durable.Outbox(durable.folder_for(cfg.output_dir))
-    tags = {"slmsql.model": tracking.portable(cfg.model), "slmsql.base_adapter": tracking.portable(cfg.base_adapter)}
-    with outbox, st, tracking.stage_run("sft", cfg, promptcheck.params(prompt), tags=tags,
+    with outbox, st, tracking.stage_run("sft", cfg, policy.params(), tags=policy.tags("slmsql.base_adapter"),
                                         system_metrics=True, outbox=outbox) as run:
         # data
         train = Dataset.from_list([rows[j] for j in keep])
@@ -71,14 +71,14 @@ def main(cfg: SFTStageConfig) -> dict:
             tracking.log_dataset([e.to_json() for e in examples], "sft", cfg.data, context="training")
             mlflow.log_metrics(token_metrics)
         # model
-        model, tokenizer = load_model(cfg.model, cfg.base_adapter or None, trainable=True, dtype=cfg.dtype)
+        model, tokenizer = policy.load_to_train()
         tokenizer.padding_side = "right"  # training pads right; generation (load_model's default) pads left
-        peft_config = training.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
+        peft_config = hf_trainer.lora_config(cfg) if cfg.use_lora and not cfg.base_adapter else None
         # trainer
-        training.compact_fused_head()
+        hf_trainer.compact_fused_head()
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
-                             peft_config=peft_config, callbacks=[training.metrics_callback(outbox)])
-        training.quiet_progress(trainer)
+                             peft_config=peft_config, callbacks=[hf_trainer.metrics_callback(outbox)])
+        hf_trainer.quiet_progress(trainer)
         t0 = time.time()
         result = trainer.train()
         if trainer.state.global_step == 0:
@@ -93,10 +93,9 @@ def main(cfg: SFTStageConfig) -> dict:
             if (work / "checkpoints").is_dir() and not any((work / "checkpoints").iterdir()):
                 (work / "checkpoints").rmdir()
             tokenizer.padding_side = "left"
-            training.save_policy(trainer.model, tokenizer, work)
-            if cfg.base_adapter:  # continuing a stacked adapter keeps what it was stacked on (models.py)
-                record_stack(work, cfg.base_adapter, merged=False)
-            promptcheck.record(work, prompt)
+            hf_trainer.save_policy(trainer.model, tokenizer, work)
+            # its prompt settings; continuing a stacked adapter keeps what it was stacked on (policy/models.py)
+            policy.record(work, merged=False)
             write_json(work / "sft_summary.json", summary)
             outbox.log_metrics(tracking.numeric(summary))
             outbox.set_tag("slmsql.policy_kind", summary["kind"])

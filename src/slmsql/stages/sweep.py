@@ -5,11 +5,11 @@ each, each cell is compared with its own start, and the table (one Holm family) 
 plan (grid, cell configs, files, baseline runs: all checked before any run starts) -> baseline evaluations
 (the given runs, or the starting policy evaluated once per eval set) -> cells: `grpo`, then `evaluate` on
 every eval set against the baseline, each a child run of this one, reused when a finished run with the same
-parameters and code version exists (`slmsql.workflow`) -> report.
+parameters and code version exists (`slmsql.workflow.steps`) -> report.
 
 Every cell logs the same metric names (grpo's, evaluate's `ex` and `vs_baseline/*`) and carries the tags
 `slmsql.variant` and `slmsql.seed`, so MLflow's compare view lines them up. The report pools each variant's
-seeds per eval set (`stats.compare_seeds`: mean EX, between-seed sd / min / max, a paired t-test per question
+seeds per eval set (`inference.compare_seeds`: mean EX, between-seed sd / min / max, a paired t-test per question
 with its interval), adjusts the p-values by Holm over every variant x eval set (the whole table is one family:
 a verdict anywhere in it is a claim), and takes the verdict from the adjusted p. That verdict is about the
 seeds trained; each comparison is also made with the seeds as a random unit (`seedstats.summary`: a verdict for the
@@ -27,13 +27,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import configs, seedstats, stats
-from ..configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, param_text
-from ..data import read_jsonl, write_json
-from ..errors import DataError, SlmsqlError
-from ..outputs import Staged
-from ..wording import pct
-from ..workflow import project_path
+from slmsql import configs
+from slmsql.configs import EvaluateConfig, GRPOStageConfig, SweepConfig, Variant, param_text
+from slmsql.errors import DataError, SlmsqlError
+from slmsql.inputs.data import read_jsonl, write_json
+from slmsql.runtime.outputs import Staged
+from slmsql.stats import inference, seedstats
+from slmsql.stats.wording import pct
+from slmsql.workflow.steps import project_path
 
 log = logging.getLogger(__name__)
 # fields of a cell's evaluate run that the sweep sets itself (the rest come from --evaluate-recipe / overrides)
@@ -197,7 +198,7 @@ def _params(cfg, skip=()) -> dict:
 def _check_baselines(cfg: SweepConfig, sets: list[EvalSet]) -> dict:
     import mlflow
 
-    from .. import tracking
+    from slmsql.tracking import runs as tracking
 
     client, runs = mlflow.MlflowClient(), {}
     for es, run_id in zip(sets, cfg.baseline_runs):
@@ -228,24 +229,24 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
                 if sorted(got) != ids:
                     raise SlmsqlError(f"evaluate run {c['eval_runs'][es.name]} scored other questions than its baseline")
                 runs.append([got[i] for i in ids])
-            res = stats.compare_seeds(runs, [base[i] for i in ids], alpha)
+            res = inference.compare_seeds(runs, [base[i] for i in ids], alpha)
             start = getattr(plan.start_of.get(v.label), "name", "")
             rows.append({"variant": v.label, "start": start, "eval_set": es.name, **{k: res[k] for k in (
                 "n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
                 "diff_ci_high", "t", "df", "p")}, **seedstats.summary(runs, [base[i] for i in ids], alpha)})
-    for row, p_holm in zip(rows, stats.holm([r["p"] for r in rows])):
+    for row, p_holm in zip(rows, inference.holm([r["p"] for r in rows])):
         row["p_holm"] = p_holm
-        row["verdict"] = stats.verdict(p_holm, row["diff"], alpha)
+        row["verdict"] = inference.verdict(p_holm, row["diff"], alpha)
     with_seeds = [r for r in rows if r["seed_p"] is not None]  # the method's family: the same comparisons
-    for row, p_holm in zip(with_seeds, stats.holm([r["seed_p"] for r in with_seeds])):
-        row["seed_p_holm"], row["seed_verdict"] = p_holm, stats.verdict(p_holm, row["diff"], alpha)
+    for row, p_holm in zip(with_seeds, inference.holm([r["seed_p"] for r in with_seeds])):
+        row["seed_p_holm"], row["seed_verdict"] = p_holm, inference.verdict(p_holm, row["diff"], alpha)
     for row in rows:  # JSON has no NaN or inf: the sd of one seed, t when every question moved alike
         row.setdefault("seed_p_holm", None)
         row.setdefault("seed_verdict", None)
         for key in ("ex_sd", "t", "seed_df"):
             row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
     return {
-        "alpha": alpha, "seeds": plan.seeds, "method": stats.POOLED_METHOD, "seed_method": seedstats.METHOD,
+        "alpha": alpha, "seeds": plan.seeds, "method": inference.POOLED_METHOD, "seed_method": seedstats.METHOD,
         "comparisons": len(rows),
         "adjustment": f"Holm over all {len(rows)} comparisons (every variant x eval set)",
         "eval_sets": [_eval_set(name, rows, cells) for name in dict.fromkeys(
@@ -310,7 +311,7 @@ def markdown(rep: dict) -> str:
 
 
 def _method_table(rep: dict, name: str, pts, pv) -> list[str]:
-    """The same comparisons with seeds as a random unit (seedstats.py): what the table above says of the seeds
+    """The same comparisons with seeds as a random unit (stats/seedstats.py): what the table above says of the seeds
     trained, this says of the method; marked where the two verdicts differ."""
     rows = [r for r in rep["rows"] if r["eval_set"] == name and r["seed_p"] is not None]
     if not rows:
@@ -331,9 +332,10 @@ def _method_table(rep: dict, name: str, pts, pv) -> list[str]:
 def main(cfg: SweepConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking
-    from ..figures import forest_figure
-    from ..workflow import Steps, use_this_cli
+    from slmsql.tracking import descriptions
+    from slmsql.tracking import runs as tracking
+    from slmsql.tracking.figures import forest_figure
+    from slmsql.workflow.steps import Steps, use_this_cli
 
     p = plan(cfg)
     tracking.configure()

@@ -11,11 +11,11 @@ import logging
 import time
 from pathlib import Path
 
-from ..configs import TinyModelConfig
-from ..data import read_gold, write_json
-from ..errors import SlmsqlError
-from ..outputs import Staged
-from ..prompts import answer, builder_for
+from slmsql.configs import TinyModelConfig
+from slmsql.errors import SlmsqlError
+from slmsql.inputs.data import read_gold, write_json
+from slmsql.inputs.prompts import answer, builder_for
+from slmsql.runtime.outputs import Staged
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def training_texts(cfg) -> list[str]:
     from jinja2 import Template
 
-    from ..models import CHATML_TEMPLATE
+    from slmsql.toy.tiny_model import CHATML_TEMPLATE
 
     toy_dir = Path(cfg.data)
     if not (toy_dir / "sft.jsonl").is_file():
@@ -40,8 +40,9 @@ def training_texts(cfg) -> list[str]:
 def main(cfg: TinyModelConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking
-    from ..models import build_tiny_model
+    from slmsql.toy.tiny_model import build_tiny_model
+    from slmsql.tracking import descriptions
+    from slmsql.tracking import runs as tracking
 
     texts = training_texts(cfg)
     with Staged(cfg.output_dir, cfg.overwrite) as st, tracking.stage_run("tiny-model", cfg):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from ..configs import ToyConfig
-from ..data import DIFFICULTIES
-from ..toyworld import generate
+from slmsql.configs import ToyConfig
+from slmsql.inputs.data import DIFFICULTIES
+from slmsql.toy.world import generate
 
 log = logging.getLogger(__name__)
 
@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 def main(cfg: ToyConfig) -> dict:
     import mlflow
 
-    from .. import descriptions, tracking
+    from slmsql.tracking import descriptions
+    from slmsql.tracking import runs as tracking
 
     summary = generate(cfg.output_dir, cfg.seed, cfg.size, cfg.overwrite)
     with tracking.stage_run("toy", cfg):

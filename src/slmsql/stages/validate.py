@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..data import safe_text, write_json
-from ..datachecks import Report, validate
-from ..errors import SlmsqlError
-from ..outputs import Staged
+from slmsql.checks.datachecks import Report, validate
+from slmsql.errors import SlmsqlError
+from slmsql.inputs.data import safe_text, write_json
+from slmsql.runtime.outputs import Staged
 
 
 def main(cfg) -> Report:
@@ -17,7 +17,8 @@ def main(cfg) -> Report:
     """
     import mlflow
 
-    from .. import descriptions, tracking
+    from slmsql.tracking import descriptions
+    from slmsql.tracking import runs as tracking
 
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before the slow part if the folder is in the way
     report = validate(cfg.kind, cfg.data, cfg.db_root, summary=cfg.summary or None, eval_sets=cfg.eval_sets,

@@ -1,0 +1,362 @@
+"""Shared-prefix GRPO: each distinct prompt of a micro-batch is computed once and its completions attend to it.
+
+Why: text-to-SQL prompts are long (the schema) and completions short, and TRL forwards every row of a group whole:
+G x (P + R) tokens where P + G x R carry all the information. Here the rows of a micro-batch that share a prompt
+become one packed row (Unsloth's PrefixGrouper does the same; TRL has nothing like it):
+
+    prompt[:-1] | prompt[-1] c1_1 ... c1_n1 | prompt[-1] c2_1 ... c2_n2 | ...
+
+Each completion is a segment that starts with its own copy of the prompt's last token, so every completion's first
+token is predicted at a position of its own (TRL's fused LM head reads one label per position). A 4-D attention
+mask lets a segment see the shared prompt and itself (causally), never another segment; every token keeps the
+position id the plain row gives it (its column: transformers' default), so RoPE sees what it sees there.
+Completion padding is dropped, not computed.
+
+Exact: each completion token's attention reads the same keys and values as on the plain path, and the prompt's
+activations are computed once, so their gradient is the sum over the segments that read them: the sum of the G
+copies' gradients on the plain path. Only the float summation order differs (the trainer's first-step self-check
+measures it).
+
+`packed_logps` is the computation; `Packing.of` the layout; `trainer_class` puts it into TRL's GRPOTrainer, where
+every per-token log-prob TRL takes goes through one method (`_get_per_token_logps_and_entropies`: the policy's in
+the loss, the old policy's, the reference model's), and micro-batches hold whole groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TAG = "slmsql.shared_prefix"  # a run's tag: what --shared-prefix did (on, with the self-check's figure; or why not)
+# The attention implementations that take a custom 4-D mask as transformers passes it (flash attention does not).
+MASKED_ATTENTION = ("sdpa", "eager")
+# The largest |log p(shared) - log p(plain)| the first step's self-check accepts, by the dtype the model computes
+# in. Measured on SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens,
+# 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
+# output is rounded to 8 mantissa bits at other points; a wrong mask 2.4-6.4 in both. float16 (3 more mantissa
+# bits than bfloat16, not measured: slmsql refuses it on a CPU) gets half of bfloat16's.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 1.0, torch.float16: 0.5}
+
+
+def _prefix_ones(mask: torch.Tensor) -> bool:
+    """Every row is ones then zeros (a completion mask) -- the only layout the packing reads."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> dict[tuple, list]:
+    """A micro-batch's rows by prompt (its unpadded tokens), in order of first appearance."""
+    plen = input_ids.size(1) - logits_to_keep
+    groups: dict[tuple, list[int]] = {}
+    for r in range(input_ids.size(0)):
+        groups.setdefault(tuple(input_ids[r, :plen][attention_mask[r, :plen].bool()].tolist()), []).append(r)
+    return groups
+
+
+@dataclass
+class Packing:
+    """One micro-batch in the shared-prefix layout (module docstring).
+
+    input_ids, position_ids, segment, shift_labels: (rows, width); segment -1 is padding, 0 the shared prompt,
+    s >= 1 the s-th completion; `rows`, `cols`: where completion token k of plain row r is scored
+    (`plain_rows`, `plain_cols` give r and k)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment: torch.Tensor
+    shift_labels: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    plain_rows: torch.Tensor
+    plain_cols: torch.Tensor
+    shape: tuple[int, int]  # the plain output: (plain rows, completion width)
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pad_id: int = 0):
+        """The packing of TRL's (left-padded prompt | right-padded completion) rows, or None when the masks are not
+        that layout (then the plain path applies)."""
+        width = input_ids.size(1)
+        plen = width - logits_to_keep
+        prompt_mask, completion_mask = attention_mask[:, :plen], attention_mask[:, plen:]
+        if plen < 1 or not _prefix_ones(prompt_mask.flip(1)) or not _prefix_ones(completion_mask) \
+                or not bool(prompt_mask[:, -1].all()):
+            return None
+        groups = prompt_groups(input_ids, attention_mask, logits_to_keep)
+        lengths = completion_mask.sum(1).tolist()
+        seqs, out = [], {"rows": [], "cols": [], "plain_rows": [], "plain_cols": []}
+        for p, (prompt, members) in enumerate(groups.items()):
+            pad = plen - len(prompt)
+            ids, pos, seg, lab = list(prompt[:-1]), list(range(pad, plen - 1)), [0] * (len(prompt) - 1), \
+                [-100] * (len(prompt) - 1)
+            for s, r in enumerate(members, start=1):
+                n = int(lengths[r])
+                if n == 0:  # nothing scored (a masked-out completion): the plain path gives zeros too
+                    continue
+                completion = input_ids[r, plen:plen + n].tolist()
+                out["rows"] += [p] * n
+                out["cols"] += range(len(ids), len(ids) + n)
+                out["plain_rows"] += [r] * n
+                out["plain_cols"] += range(n)
+                ids += [prompt[-1], *completion]
+                pos += range(plen - 1, plen + n)
+                seg += [s] * (n + 1)
+                lab += [*completion, -100]
+            seqs.append((ids, pos, seg, lab))
+        longest = max(len(s[0]) for s in seqs)
+
+        def column(i, fill, dtype=torch.long):
+            return torch.tensor([s[i] + [fill] * (longest - len(s[i])) for s in seqs], dtype=dtype,
+                                device=input_ids.device)
+
+        index = {k: torch.tensor(v, dtype=torch.long, device=input_ids.device) for k, v in out.items()}
+        return cls(column(0, pad_id, input_ids.dtype), column(1, 0), column(2, -1), column(3, -100), **index,
+                   shape=(input_ids.size(0), logits_to_keep))
+
+    def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(rows, 1, width, width): a token sees earlier tokens of its own segment and the shared prompt; a padding
+        position sees itself only (a query row with no key would be NaN). Boolean (True: attend), or additive in
+        `dtype` for eager attention."""
+        q, k = self.segment.unsqueeze(2), self.segment.unsqueeze(1)
+        width = self.segment.size(1)
+        causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
+        mask = causal & (k >= 0) & ((k == 0) | (k == q))
+        mask |= torch.eye(width, dtype=torch.bool, device=q.device)
+        mask = mask.unsqueeze(1)
+        if dtype is None:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=q.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens computed (padding included), to compare with the plain path's rows x width."""
+        return self.input_ids.numel()
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Per-token values in the packed layout -> the plain layout (zeros where nothing is scored)."""
+        out = packed.new_zeros(self.shape)
+        return out.index_put((self.plain_rows, self.plain_cols), packed[self.rows, self.cols])
+
+
+def attention_implementation(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
+def packed_logps(model, packing: Packing, compute_entropy: bool = False):
+    """Per-token log-probs (and entropies) of the packing's completions in the plain layout, by TRL's fused LM head
+    (`model(..., fused_lm_head=True)`: temperature and everything else as TRL set it up)."""
+    eager = attention_implementation(model) == "eager"
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype if eager else None
+    outputs = model(input_ids=packing.input_ids, attention_mask=packing.attention_mask(dtype),
+                    position_ids=packing.position_ids, shift_labels=packing.shift_labels, fused_lm_head=True)
+    logps = packing.unpack(outputs.log_probs)
+    entropies = packing.unpack(outputs.entropy) if compute_entropy else None
+    return logps, entropies
+
+
+def chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size: int):
+    """Row indices in chunks of at most `batch_size` rows that keep a prompt's rows together where they fit (TRL's
+    `batch_size` bounds the rows forwarded at once)."""
+    out, current = [], []
+    for members in prompt_groups(input_ids, attention_mask, logits_to_keep).values():
+        for start in range(0, len(members), batch_size):
+            part = members[start:start + batch_size]
+            if current and len(current) + len(part) > batch_size:
+                out.append(current)
+                current = []
+            current = current + part
+    return out + ([current] if current else [])
+
+
+def generate(generate_fn, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+    """`generate_fn(input_ids=, attention_mask=, **kwargs)` (a model's `generate`) with each distinct prompt row
+    prefilled once: the cache of all its tokens but the last is computed for the distinct rows (with the position ids
+    generate itself derives from the mask) and copied to their repeats; generate then runs from the last prompt
+    token, as it would have from the first. Left-padded rows only; anything else, or a cache of generate's own
+    choosing, goes to `generate_fn` as it is."""
+    plain = functools.partial(generate_fn, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    config = kwargs.get("generation_config")
+    if input_ids.size(1) < 2 or "cache" in kwargs or "past_key_values" in kwargs \
+            or getattr(config, "cache_implementation", None) or not bool(attention_mask[:, -1].all()):
+        return plain()
+    keyed = torch.where(attention_mask.bool(), input_ids, -1)
+    distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    if distinct.size(0) == input_ids.size(0):
+        return plain()
+    rows = torch.arange(input_ids.size(0), device=input_ids.device)
+    first = torch.full((distinct.size(0),), input_ids.size(0), device=input_ids.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    ids, mask = input_ids[first, :-1], attention_mask[first, :-1]
+    extra = {}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel generates with it
+    if "position_ids" in inspect.signature(inner.forward).parameters:  # generate's own rule, as generate applies it
+        extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **extra)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return plain()
+    cache.batch_select_indices(inverse)
+    return plain(cache=cache)
+
+
+def shuffle_groups(batch: dict, group: int) -> dict | None:
+    """TRL's shuffle of a generation batch before it is split into micro-batches, by whole groups: the rows of a
+    prompt stay together, so each micro-batch holds whole groups to share (TRL shuffles rows: a micro-batch of 16
+    from 8 prompts x 8 would hold ~2 rows of each). None when the rows are not consecutive groups of `group` copies
+    of a prompt. One optimizer step still trains on the same rows: with steps_per_generation equal to
+    gradient_accumulation_steps (TRL's default) and a loss normalised over the generation batch (dapo, dr_grpo,
+    grpo), its gradient is the plain path's."""
+    ids, mask = batch.get("prompt_ids"), batch.get("prompt_mask")
+    if ids is None or mask is None or group < 1 or ids.size(0) % group:
+        return None
+    prompts = (ids * mask).view(-1, group, ids.size(1))
+    if not bool((prompts == prompts[:, :1]).all()):
+        return None
+    order = (torch.randperm(ids.size(0) // group).unsqueeze(1) * group + torch.arange(group)).flatten()
+
+    def permute(v):
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        return v[order] if isinstance(v, torch.Tensor) else [v[i] for i in order]
+
+    return {key: permute(value) for key, value in batch.items()}
+
+
+def compute_dtype(args, model) -> torch.dtype:
+    """The dtype the forward computes in: the trainer's mixed precision, else the weights'."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
+def trainer_class(trainer_cls, on_state=None):
+    """`trainer_cls` (GRPOTrainer, or a partial of slmsql's subclasses) computing every per-token log-prob with the
+    shared prefix, after a first-step self-check against the plain path. `on_state(text)` hears what the run does
+    (on, with the check's figure; or the plain path, and why) for the run's tag."""
+    if isinstance(trainer_cls, functools.partial):
+        return functools.partial(trainer_class(trainer_cls.func, on_state), *trainer_cls.args, **trainer_cls.keywords)
+
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.grpo_trainer import (
+        shuffle_sequence_dict,
+        split_pixel_values_by_grid,
+        split_tensor_dict,
+        unsplit_pixel_values_by_grid,
+    )
+
+    class SharedPrefixTrainer(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._shared_prefix = "unchecked"
+            impl = attention_implementation(self.model)
+            if impl not in MASKED_ATTENTION:
+                self._plain(f"attention implementation {impl} takes no custom 4-D mask (shared prefix needs one of "
+                            f"{', '.join(MASKED_ATTENTION)})")
+
+        def _plain(self, why: str) -> None:
+            self._shared_prefix = "off"
+            log.warning("shared prefix off, the plain path from here on: %s", why)
+            if on_state:
+                on_state(f"plain path: {why}")
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            # transformers' generate, each prompt prefilled once (`generate`); vLLM shares prefill itself (n = K)
+            model = self.accelerator.unwrap_model(self.model)
+            if self.use_vllm or self.use_transformers_continuous_batching or images is not None or multimodal_fields:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            model.generate = functools.partial(generate, model.generate, model)
+            try:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            finally:
+                del model.generate
+
+        def _prepare_inputs(self, generation_batch):
+            # TRL 1.16's own, but micro-batches hold whole groups (shuffle_groups)
+            if not self.model.training:
+                return super()._prepare_inputs(generation_batch)
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:
+                batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+                batch = shuffle_groups(batch, self.num_generations) or shuffle_sequence_dict(batch)
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(b)
+                                         for b in split_tensor_dict(batch, self.args.steps_per_generation)]
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               **extra):
+            plain = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
+                                      logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
+            if self._shared_prefix == "off" or compute_aux_loss or any(v is not None for v in extra.values()):
+                return plain()
+            if self._shared_prefix == "unchecked":
+                self._self_check(model, input_ids, attention_mask, logits_to_keep)
+                if self._shared_prefix == "off":
+                    return plain()
+            logps, entropies = self._shared(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                            compute_entropy)
+            return logps, entropies, None
+
+        def _shared(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+            parts, rows, computed = [], [], 0
+            for chunk in chunks(input_ids, attention_mask, logits_to_keep, batch_size or input_ids.size(0)):
+                index = torch.tensor(chunk, device=input_ids.device)
+                ids, mask = input_ids[index], attention_mask[index]
+                packing = Packing.of(ids, mask, logits_to_keep, self._tokenizer.pad_token_id or 0)
+                with self.accelerator.autocast():
+                    if packing is None:  # not TRL's prompt | completion layout: this chunk the plain way
+                        lp, ent, _ = super()._get_per_token_logps_and_entropies(
+                            model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
+                        computed += ids.numel()
+                    else:
+                        lp, ent = packed_logps(model, packing, compute_entropy)
+                        computed += packing.tokens
+                parts.append((lp, ent))
+                rows += chunk
+            if model.training and torch.is_grad_enabled():
+                self._metrics["train"]["shared_prefix/token_ratio"].append(input_ids.numel() / max(computed, 1))
+            back = torch.argsort(torch.tensor(rows, device=input_ids.device))
+            logps = torch.cat([p[0] for p in parts])[back]
+            entropies = torch.cat([p[1] for p in parts])[back] if compute_entropy else None
+            return logps, entropies
+
+        def _self_check(self, model, input_ids, attention_mask, logits_to_keep):
+            """One micro-batch both ways, dropout off: the largest |log p| difference over its completion tokens,
+            the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain path."""
+            model = self.accelerator.unwrap_model(model)  # no DDP wrapper: nothing here is synchronised
+            was_training = model.training
+            model.eval()  # dropout off: both computations see the same weights
+            try:
+                with torch.no_grad(), disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
+                    plain, _, _ = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+                                                                            logits_to_keep)
+                    shared, _ = self._shared(model, input_ids, attention_mask, logits_to_keep, None, False)
+            finally:
+                model.train(was_training)
+            scored = attention_mask[:, -logits_to_keep:].bool()
+            diff = (plain - shared).abs()[scored].max() if scored.any() else plain.new_zeros(())
+            diff = float(self.accelerator.gather(diff.float().reshape(1)).max())
+            self._metrics["train"]["shared_prefix/logp_max_abs_diff"].append(diff)
+            dtype = compute_dtype(self.args, model)
+            tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+            if not diff <= tolerance:  # NaN included
+                self._plain(f"the first step's self-check found log-probs {diff:.3g} apart (tolerance {tolerance:g} "
+                            f"in {str(dtype).removeprefix('torch.')})")
+                return
+            self._shared_prefix = "on"
+            if on_state:
+                on_state(f"on: log-probs within {diff:.2g} of the plain path at the first step "
+                         f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})")
+
+    return SharedPrefixTrainer

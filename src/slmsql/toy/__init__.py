@@ -1,0 +1,3 @@
+"""The embedded toy world: many small SQLite databases and gold questions, offline (`world`, `lexicon`).
+Uses `inputs`, `runtime`.
+"""
