@@ -63,6 +63,7 @@ def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_l
     _refused(_cfg(paths, tmp_path), "needs vLLM")
 
 
+@pytest.mark.slow  # a fresh CLI process (~8 s): its in-process twin above stays in the fast tier
 def test_full_weights_refused_from_the_command_line(paths, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--use-lora", "false", "--data",
