@@ -95,16 +95,16 @@ study-headroom-confirm: install | outputs/filter/band.jsonl $(HEADROOM)/filter-w
 # ~10 times) at learning rate 3e-4 (at the default 1e-3 one seed in two regressed, pilots in docs/studies.md). Each
 # float path makes its own start and band: the whole chain (SFT, the filter with every question 1-7 of 8 right) is
 # rebuilt in $(CONTROL). Run it under three float paths into three folders, e.g.
-# OMP_NUM_THREADS=1 make study-control CONTROL=outputs/control-omp1 (about 15 minutes a path on 2 cores).
+# OMP_NUM_THREADS=1 make study-control CONTROL=outputs/control-omp1 (about 12 minutes a path on 2 cores).
 # Its own experiment; reruns reuse finished files and cells.
 CONTROL ?= outputs/control
 CONTROL_EXP ?= slmsql-control
 CONTROL_SFT_STEPS ?= 700
 CONTROL_GRID ?= max_steps=600 learning_rate=3e-4
-# 4: its pilot (2 seeds, +19.9 points on 113 band questions, slmsql plan --pilot ... --family 1) gives 100% power
+# 3: its pilot (2 seeds, +19.9 points on 113 band questions, slmsql plan --pilot ... --family 1) gives 100% power
 # at +19.9 pooled and over seeds (1 seed would do); at +10 (half of it) 69%, at +6.4 35%, whatever the seeds (the
-# band's 113 questions bound it: +10 needs ~195). 4 seeds, not 1-2, so the over-seeds verdict has 3 degrees of freedom.
-CONTROL_SEEDS ?= 4
+# band's 113 questions bound it: +10 needs ~195). 3 seeds, not 1-2, so the over-seeds verdict has 2 degrees of freedom.
+CONTROL_SEEDS ?= 3
 $(CONTROL)/sft/config.json: | outputs/tiny-model/config.json
 	$(BIN)/slmsql sft --max-steps $(CONTROL_SFT_STEPS) --output-dir $(CONTROL)/sft --experiment $(CONTROL_EXP)
 $(CONTROL)/filter/band.jsonl: | $(CONTROL)/sft/config.json
