@@ -321,3 +321,31 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     assert tables == ["completions/step_00002.json", "completions/step_00004.json"]
     for t in tables:
         assert len(json.loads(Path(client.download_artifacts(run.info.run_id, t)).read_text())["data"]) == 8
+
+
+# ---- training length in passes over the band (max_steps -1, TRL's rule) ---------------------------------
+
+def test_epochs_draw_every_question_once_a_pass(policy, tmp_path):
+    """`--max-steps -1 --num-train-epochs 2` on 6 questions at 2 prompts a step: 6 steps, each question drawn
+    exactly twice (a study's "every band question drawn N times" rests on it)."""
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl", n=6), tmp_path / "out", max_steps=-1,
+                   num_train_epochs=2, completions_every=1, save_steps=100)
+    summary = grpo.main(cfg)
+    assert summary["steps"] == 6
+    client = mlflow.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+    draws: dict[str, int] = {}
+    for f in client.list_artifacts(run.info.run_id, "completions"):
+        table = json.loads(Path(client.download_artifacts(run.info.run_id, f.path)).read_text())
+        ids = [row[table["columns"].index("id")] for row in table["data"]]
+        assert len(ids) == 8 and len(set(ids)) == 2  # 2 prompts x G = 4
+        for qid in set(ids):
+            draws[qid] = draws.get(qid, 0) + 1
+    assert draws == {r["id"]: 2 for r in read(cfg.data)}
+
+
+@pytest.mark.parametrize("over, field", [({"max_steps": 0}, "max_steps"), ({"max_steps": -2}, "max_steps"),
+                                         ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs")])
+def test_training_length_must_be_some_steps_or_passes(paths, tmp_path, over, field):
+    with pytest.raises(SlmsqlError, match=field):
+        grpo_cfg(paths, paths.train, tmp_path / "out", **over)

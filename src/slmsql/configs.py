@@ -282,13 +282,23 @@ class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt,
     lr_scheduler_type: str = opt("cosine", "Learning-rate schedule.")
     beta: float = opt(0.0, "KL coefficient (0: no reference model).")
     epsilon: float = opt(0.2, "PPO clip epsilon.")
-    max_steps: int = opt(50, "Optimizer steps.")
+    max_steps: int = opt(50, "Optimizer steps (-1: num_train_epochs passes over the RL data, TRL's rule).")
+    num_train_epochs: float = opt(1.0, "Passes over the RL data, each question drawn once a pass; counts only "
+                                  "when max_steps is -1.")
     max_completion_length: int = opt(64, "Generation budget per completion.")
     logging_steps: int = opt(1, "Log metrics every N steps.")
     save_steps: int = opt(10, "Checkpoint every N steps.")
     completions_every: int = opt(5, "Log sampled completions as an MLflow table every N steps.")
     resume: bool = opt(False, "Resume from the last checkpoint in output_dir, in the same MLflow run.")
     output_dir: str = opt("outputs/grpo", "Folder for checkpoints and the final adapter.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise DataError(f"must be >= 1, or -1 for num_train_epochs passes, got {self.max_steps}", "config",
+                            field="max_steps")
+        if self.num_train_epochs <= 0:
+            raise DataError(f"must be > 0, got {self.num_train_epochs}", "config", field="num_train_epochs")
 
 
 @dataclass
