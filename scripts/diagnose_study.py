@@ -13,6 +13,9 @@ every cell:
   - the questions that changed, per eval set: how many the start got wrong and the cell right ("turned right") and
     the reverse, by difficulty; with --rl-data, on an eval set drawn from it (the band), split into the questions
     the run drew for training (their text in its logged completions, `grpo/completions/*.parquet`) and the rest;
+  - how often it drew each RL question (min-max over the RL data: a study that trains N passes says N-N) and the
+    share of its training completions cut at the token budget (TRL's `completions/clipped_ratio`, first vs last 10
+    steps: a reward that favours longer SQL shows here first);
 and once: the headroom GRPO can reach (with --passrates, the filter's K samples of the start): of the questions
 the start gets wrong greedily on each eval set that the filter sampled, how many any sample got right.
 Prints markdown tables; the last line is JSON.
@@ -24,7 +27,7 @@ import argparse
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 
@@ -80,14 +83,17 @@ def movement(adapter: Path, start: Path | None, base: str) -> float:
     return math.sqrt(num / sum(float(w[k].pow(2).sum()) for k in d))
 
 
-def drawn(grpo: Path, rl: dict[str, dict]) -> set[str]:
-    """The RL questions a GRPO run drew: those whose question text is in a prompt its completion logs hold."""
+def draws(grpo: Path, rl: dict[str, dict]) -> Counter:
+    """How many steps drew each RL question: steps whose logged prompts (`grpo/completions/*.parquet`, one file a
+    step, a prompt once per completion of its group) hold its question text. Questions never drawn are absent."""
     import pandas as pd
-    seen = set()
+    steps = defaultdict(set)  # question text -> steps
     for f in grpo.glob("completions/*.parquet"):
-        for prompt in pd.read_parquet(f, columns=["prompt"])["prompt"]:
-            seen.update(re.findall(r"^Question: (.*)$", prompt[-1]["content"], flags=re.M))
-    return {qid for qid, r in rl.items() if r["question"] in seen}
+        df = pd.read_parquet(f)
+        for step, prompt in zip(df["step"] if "step" in df else [f.stem] * len(df), df["prompt"]):
+            for q in re.findall(r"^Question: (.*)$", prompt[-1]["content"], flags=re.M):
+                steps[q].add(step)
+    return Counter({qid: len(steps[r["question"]]) for qid, r in rl.items() if steps.get(r["question"])})
 
 
 def flips(start: dict, cell: dict, only: set | None = None) -> dict:
@@ -115,11 +121,17 @@ def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, ba
             c["pass_last10"] = mean(h["exec/correct"] for h in log[-10:])
             c["groups_vary"] = mean(h["exec/frac_groups_correctness_varies"] for h in log)
             c["zero_std"] = mean(h["frac_reward_zero_std"] for h in log)
+            if "completions/clipped_ratio" in log[0]:  # completions cut at the token budget (TRL's metric)
+                c["cut_first10"] = mean(h["completions/clipped_ratio"] for h in log[:10])
+                c["cut_last10"] = mean(h["completions/clipped_ratio"] for h in log[-10:])
         if base and (seed_dir / "grpo" / "adapter" / "adapter_config.json").is_file():
             c["lora_movement"] = movement(seed_dir / "grpo" / "adapter", start_adapter, base)
         c["flips"] = {}
         rl = rows(rl_data) if rl_data else {}
-        trained = drawn(seed_dir / "grpo", rl) if rl else set()
+        times = draws(seed_dir / "grpo", rl) if rl else Counter()
+        trained = set(times)
+        if rl:  # how often the run drew each question of the RL data (0 for those it never drew)
+            c["draws_min"], c["draws_max"] = min(times[q] for q in rl), max(times[q] for q in rl)
         for ev in sorted(seed_dir.glob("eval-*/results.jsonl")):
             name = ev.parent.name[len("eval-"):]
             if name in starts:
@@ -146,14 +158,17 @@ def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, ba
 
 
 def markdown(d: dict) -> str:
-    lines = ["| cell | train pass rate, first -> last 10 steps | groups varying | zero reward std | LoRA movement |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| cell | train pass rate, first -> last 10 steps | groups varying | zero reward std | LoRA movement "
+             "| cut at the token budget, first -> last 10 | draws per RL question (min-max) |",
+             "|---|---|---:|---:|---:|---|---|"]
     for c in d["cells"]:
         mv = f"{c['lora_movement']:.4f}" if "lora_movement" in c else "n/a"
         tr = f"{c['pass_first10']:.2f} -> {c['pass_last10']:.2f}" if "pass_first10" in c else "n/a"
         gv = f"{c['groups_vary']:.0%}" if "groups_vary" in c else "n/a"
         zs = f"{c['zero_std']:.0%}" if "zero_std" in c else "n/a"
-        lines.append(f"| {c['variant']} seed {c['seed']} | {tr} | {gv} | {zs} | {mv} |")
+        cut = f"{c['cut_first10']:.0%} -> {c['cut_last10']:.0%}" if "cut_first10" in c else "n/a"
+        dr = f"{c['draws_min']}-{c['draws_max']}" if "draws_min" in c else "n/a"
+        lines.append(f"| {c['variant']} seed {c['seed']} | {tr} | {gv} | {zs} | {mv} | {cut} | {dr} |")
     lines += ["", "| cell | eval set | turned right | turned wrong | by difficulty (right, wrong) |", "|---|---|---:|---:|---|"]
     for c in d["cells"]:
         for name, f in c["flips"].items():

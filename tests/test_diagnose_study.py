@@ -39,8 +39,8 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     cell = sweep / "cells/lr_1/seed-7"
     # q0 and q3 turn right, q2 turns wrong, q1 stays wrong
     _jsonl(cell / "eval-band/results.jsonl", [q(0, True), q(1, False), q(2, False), q(3, True, "hard")])
-    log = [{"exec/correct": c, "exec/frac_groups_correctness_varies": 0.5, "frac_reward_zero_std": 0.25}
-           for c in [0.1] * 10 + [0.9] * 10]
+    log = [{"exec/correct": c, "exec/frac_groups_correctness_varies": 0.5, "frac_reward_zero_std": 0.25,
+            "completions/clipped_ratio": 0.5 if c < 0.5 else 0.0} for c in [0.1] * 10 + [0.9] * 10]
     (cell / "grpo/checkpoint-20").mkdir(parents=True)
     (cell / "grpo/checkpoint-20/trainer_state.json").write_text(json.dumps({"log_history": log + [{"train_runtime": 1}]}))
     (cell / "grpo/checkpoint-3").mkdir()  # an earlier checkpoint: not the one read
@@ -50,6 +50,9 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     prompt = lambda q: [{"role": "user", "content": f"Database schema:\n...\n\nQuestion: {q}\n\nAnswer with SQL."}]
     pd.DataFrame({"step": [1, 2], "prompt": [prompt("How many a?"), prompt("Which b?")]}).to_parquet(
         cell / "grpo/completions/completions_00001.parquet")
+    # step 3 drew q0 again, its prompt once per completion of the group (4 rows, one draw)
+    pd.DataFrame({"step": [3] * 4, "prompt": [prompt("How many a?")] * 4}).to_parquet(
+        cell / "grpo/completions/completions_00003.parquet")
     _jsonl(tmp_path / "band.jsonl", [{"id": f"q{i}", "question": t} for i, t in
                                      enumerate(["How many a?", "List c.", "Which b?", "How many a and d?"])])
     _jsonl(tmp_path / "passrates.jsonl", [{"id": "q0", "n_correct": 2, "pass_rate": 0.25},
@@ -62,6 +65,8 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     (c,) = d["cells"]
     assert (c["variant"], c["seed"], c["pass_first10"], c["pass_last10"]) == ("lr_1", 7, 0.1, 0.9)
     assert (c["groups_vary"], c["zero_std"]) == (0.5, 0.25)
+    assert (c["cut_first10"], c["cut_last10"]) == (0.5, 0.0)
+    assert (c["draws_min"], c["draws_max"]) == (0, 2)  # q0 at steps 1 and 3, q2 at step 2, q1 and q3 never
     # ||W|| = 2 * sqrt(4) = 4; GRPO moved the entry from 1 to 2 (0.25 of ||W||); the start moved it 1 from 0 (0.25)
     assert abs(c["lora_movement"] - 0.25) < 1e-6 and abs(d["start_lora_movement"] - 0.25) < 1e-6
     assert c["flips"]["band"] == {"turned_right": 2, "turned_wrong": 1, "by_difficulty": {"hard": [1, 0], "simple": [1, 1]}}
@@ -72,7 +77,7 @@ def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
                                               "by_difficulty": {"hard": [1, 0]}}
     # the start gets q0, q1, q3 wrong; the filter sampled q0 (2 of 8 right) and q1 (none)
     assert d["headroom"]["band"] == {"greedy_wrong": 2, "any_sample_right": 1, "mean_pass_rate": 0.125}
-    assert "| lr_1 seed 7 | 0.10 -> 0.90 | 50% | 25% | 0.2500 |" in out
+    assert "| lr_1 seed 7 | 0.10 -> 0.90 | 50% | 25% | 0.2500 | 50% -> 0% | 0-2 |" in out
 
 
 def test_diagnosis_refuses_a_folder_that_is_not_a_sweep(tmp_path):
