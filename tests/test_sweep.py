@@ -21,7 +21,7 @@ from scipy import stats as scipy_stats
 from slmsql import configs
 from slmsql.stats import seedstats, inference as stats
 from slmsql.cli import main as cli
-from slmsql.configs import SweepConfig, Variant
+from slmsql.configs import SweepConfig, Variant, param_text
 from slmsql.errors import DataError
 from slmsql.stages import sweep
 
@@ -640,3 +640,49 @@ def test_make_study_control_plans_one_comparison_on_its_own_start_and_band(tmp_p
     # the start, the band and the cells in the control's own folder (two float paths, two folders)
     outs = [a[a.index("--output-dir") + 1] for a in lines if a[0] in ("sft", "filter", "sweep")]
     assert len(outs) == 3 and all(o.startswith("outputs/control/") for o in outs)
+
+
+def _differ(a, b) -> set[str]:
+    """The GRPO options two cells' configs differ in, their files compared by name (each plan has its own tmp)."""
+    files = {"data", "db_root", "base_adapter", "output_dir"}
+    same = lambda k, x, y: (Path(x).name == Path(y).name) if k in files and x and y else x == y
+    return {f.name for f in dataclasses.fields(a) if not same(f.name, getattr(a, f.name), getattr(b, f.name))}
+
+
+def _same_start_and_sets(p, real):
+    """study-real's start, band and eval sets (the follow-ups change only how GRPO trains)."""
+    (st,), (rst,) = p.starts, real.starts
+    assert (st.model, st.base_adapter, Path(st.data).name) == (rst.model, rst.base_adapter, Path(rst.data).name)
+    assert [e.name for e in p.eval_sets] + [st.eval_set.name] == [e.name for e in real.eval_sets] + ["toy-band-seen"]
+
+
+def test_make_study_long_trains_passes_over_study_reals_band(tmp_path, monkeypatch):
+    real, _ = _make_sweep_plan("study-real", tmp_path / "real", monkeypatch)
+    pilot, _ = _make_sweep_plan("study-long-pilot", tmp_path / "pilot", monkeypatch)
+    p, _ = _make_sweep_plan("study-long", tmp_path / "long", monkeypatch)
+    for plan in (pilot, p):
+        _same_start_and_sets(plan, real)
+        (cfg,) = plan.grpo.values()  # passes over the band (max_steps -1), not study-real's 40 steps
+        (real_cfg,) = real.grpo.values()
+        assert (cfg.max_steps, cfg.num_train_epochs) == (-1, 3)
+        assert _differ(cfg, real_cfg) <= {"max_steps", "num_train_epochs", "seed"}  # nothing else
+    assert len(p.seeds) == 3 and len(pilot.seeds) == 1 and not set(p.seeds) & set(pilot.seeds)
+
+
+def test_make_study_rewards_sets_are_the_reward_recipes_at_study_longs_length(tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parents[1]
+    long, _ = _make_sweep_plan("study-long", tmp_path / "long", monkeypatch)
+    p, _ = _make_sweep_plan("study-rewards", tmp_path / "rewards", monkeypatch)
+    _same_start_and_sets(p, long)
+    assert len(p.seeds) == 3 and p.seeds == long.seeds
+    (long_cfg,) = long.grpo.values()
+    keys = ("rewards", "reward_weights", "runs_tier", "format_tier")
+    arms = {tuple(param_text(getattr(c, k)) for k in keys) for c in p.grpo.values()}
+    recipes = {name: configs.load(configs.GRPOStageConfig, str(repo / f"recipes/rewards/{name}.yaml"), require=False)
+               for name in ("outcome", "dense", "qatch")}
+    assert arms == {tuple(param_text(getattr(r, k)) for k in keys) for r in recipes.values()} and len(arms) == 3
+    # the outcome-only arm is study-long's cell, and every arm trains as long as it does
+    outcome = next(c for c in p.grpo.values() if c.rewards == recipes["outcome"].rewards)
+    assert _differ(outcome, long_cfg) <= {"reward_weights"}  # written out: 1 each, the default's equal weights
+    assert long_cfg.reward_weights in ([], [1.0] * len(long_cfg.rewards)) and outcome.reward_weights == [1.0, 1.0]
+    assert {(c.max_steps, c.num_train_epochs) for c in p.grpo.values()} == {(-1, 3)}
