@@ -669,20 +669,36 @@ def test_make_study_long_trains_passes_over_study_reals_band(tmp_path, monkeypat
     assert len(p.seeds) == 3 and len(pilot.seeds) == 1 and not set(p.seeds) & set(pilot.seeds)
 
 
-def test_make_study_rewards_sets_are_the_reward_recipes_at_study_longs_length(tmp_path, monkeypatch):
+def _reward_arms_are_the_recipes(p, outcome_only):
+    """Each arm of a reward-sets sweep is one recipes/rewards/ set; the outcome-only arm is `outcome_only`'s cell."""
     repo = Path(__file__).resolve().parents[1]
-    long, _ = _make_sweep_plan("study-long", tmp_path / "long", monkeypatch)
-    p, _ = _make_sweep_plan("study-rewards", tmp_path / "rewards", monkeypatch)
-    _same_start_and_sets(p, long)
-    assert len(p.seeds) == 3 and p.seeds == long.seeds
-    (long_cfg,) = long.grpo.values()
     keys = ("rewards", "reward_weights", "runs_tier", "format_tier")
     arms = {tuple(param_text(getattr(c, k)) for k in keys) for c in p.grpo.values()}
     recipes = {name: configs.load(configs.GRPOStageConfig, str(repo / f"recipes/rewards/{name}.yaml"), require=False)
                for name in ("outcome", "dense", "qatch")}
     assert arms == {tuple(param_text(getattr(r, k)) for k in keys) for r in recipes.values()} and len(arms) == 3
-    # the outcome-only arm is study-long's cell, and every arm trains as long as it does
     outcome = next(c for c in p.grpo.values() if c.rewards == recipes["outcome"].rewards)
-    assert _differ(outcome, long_cfg) <= {"reward_weights"}  # written out: 1 each, the default's equal weights
-    assert long_cfg.reward_weights in ([], [1.0] * len(long_cfg.rewards)) and outcome.reward_weights == [1.0, 1.0]
-    assert {(c.max_steps, c.num_train_epochs) for c in p.grpo.values()} == {(-1, 3)}
+    assert _differ(outcome, outcome_only) <= {"reward_weights"}  # written out: 1 each, the default's equal weights
+    assert outcome_only.reward_weights in ([], [1.0] * len(outcome_only.rewards))
+    assert outcome.reward_weights == [1.0, 1.0]
+    # every arm trains as long as the outcome-only cell does
+    assert {(c.max_steps, c.num_train_epochs, c.learning_rate) for c in p.grpo.values()} == \
+        {(outcome_only.max_steps, outcome_only.num_train_epochs, outcome_only.learning_rate)}
+
+
+def test_make_study_rewards_sets_are_the_reward_recipes_at_study_longs_length(tmp_path, monkeypatch):
+    long, _ = _make_sweep_plan("study-long", tmp_path / "long", monkeypatch)
+    p, _ = _make_sweep_plan("study-rewards", tmp_path / "rewards", monkeypatch)
+    _same_start_and_sets(p, long)
+    assert len(p.seeds) == 3 and p.seeds == long.seeds
+    _reward_arms_are_the_recipes(p, next(iter(long.grpo.values())))
+
+
+def test_make_study_rewards_toy_looks_on_the_controls_start_and_band(tmp_path, monkeypatch):
+    control, _ = _make_sweep_plan("study-control", tmp_path / "control", monkeypatch)
+    p, _ = _make_sweep_plan("study-rewards-toy", tmp_path / "rewards", monkeypatch)
+    (st,), (cst,) = p.starts, control.starts
+    assert (Path(st.model).name, Path(st.data).name) == (Path(cst.model).name, Path(cst.data).name)
+    assert [e.name for e in p.eval_sets] == [e.name for e in control.eval_sets] == ["toy-band-seen"]
+    assert p.seeds == control.seeds
+    _reward_arms_are_the_recipes(p, next(iter(control.grpo.values())))
