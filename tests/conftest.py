@@ -13,6 +13,59 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+# Each pytest run gets a temp folder of its own. pytest's default (`pytest-of-<user>/pytest-<n>` in the system's
+# temp folder) is one numbered series for every run of the user: runs at the same time on one machine (sessions,
+# CI jobs, a `make test` beside a `make test-fast`) share it, and one run's cleanup and numbering act on the
+# others' folders. A folder from mkdtemp is this run's alone; it is removed when every test passed and kept,
+# named in the summary, when one failed. A --basetemp given on the command line is kept as given.
+BASETEMP_PREFIX = "slmsql-pytest-"
+BASETEMP_KEEP_S = 3 * 24 * 3600  # a failed run's folder is removed by the first run 3 days later (pytest's lock age)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own tmpdir plugin reads the option
+def pytest_configure(config):
+    import tempfile
+    import time
+    from pathlib import Path
+
+    if config.option.basetemp is not None:
+        return
+    root = Path(tempfile.gettempdir())
+    for old in root.glob(BASETEMP_PREFIX + "*"):  # failed runs' folders, long after anyone could be using them
+        try:
+            if old.is_dir() and not old.is_symlink() and time.time() - old.stat().st_mtime > BASETEMP_KEEP_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+    config.option.basetemp = tempfile.mkdtemp(prefix=BASETEMP_PREFIX, dir=root)
+    config.stash[OWN_BASETEMP] = Path(config.option.basetemp)
+
+
+OWN_BASETEMP = pytest.StashKey[object]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    own = session.config.stash.get(OWN_BASETEMP, None)
+    if own is None:
+        return
+    if exitstatus == 0:
+        shutil.rmtree(own, ignore_errors=True)
+    else:
+        os.utime(own)  # its age counts from this run's end
+        session.config.stash[OWN_BASETEMP] = None
+        session.config.stash[KEPT_BASETEMP] = own
+
+
+KEPT_BASETEMP = pytest.StashKey[object]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kept = config.stash.get(KEPT_BASETEMP, None)
+    if kept is not None:
+        terminalreporter.write_line(f"this run's temp folders are kept in {kept}")
+
+
 @pytest.fixture
 def shop(tmp_path):
     """A tiny database at <root>/shop/shop.sqlite; returns the db root."""

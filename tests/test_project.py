@@ -71,3 +71,12 @@ def test_every_stage_main_reads_top_to_bottom_in_under_100_lines():
                 lengths[f.stem] = node.end_lineno - node.lineno + 1
     assert set(lengths) >= {"sft", "filter", "grpo", "evaluate", "publish"}
     assert {k: v for k, v in lengths.items() if v > 100} == {}
+
+
+def test_each_pytest_run_has_a_temp_folder_of_its_own(request, tmp_path_factory):
+    # conftest.py: not pytest's shared `pytest-of-<user>` series, which runs at the same time would share and
+    # clean up under each other
+    if any(a.startswith("--basetemp") for a in request.config.invocation_params.args):
+        return  # given on the command line: kept as given
+    base = tmp_path_factory.getbasetemp()
+    assert base.name.startswith("slmsql-pytest-") and base.parent.name != f"pytest-of-{base.owner()}"
