@@ -23,11 +23,11 @@ def stage_module(stage: str) -> str:
     return f"slmsql.stages.{stage.replace('-', '_')}"
 
 
-def _options(cls):
+def _options(cls, skip=(), recipe=True):
     hints = typing.get_type_hints(cls)
 
     def decorate(fn):
-        for f in reversed(dataclasses.fields(cls)):
+        for f in reversed([f for f in dataclasses.fields(cls) if f.name not in skip]):
             flag = "--" + f.name.replace("_", "-")
             hint, help_ = hints[f.name], f.metadata.get("help", "")
             default = configs.default(f)
@@ -44,6 +44,8 @@ def _options(cls):
                 ptype = click.Choice(f.metadata["choices"]) if "choices" in f.metadata else (
                     str if configs.list_type(hint) else hint)  # lists: comma-separated, split by configs
                 fn = click.option(flag, f.name, type=ptype, default=None, help=help_)(fn)
+        if not recipe:
+            return fn
         return click.option("--recipe", type=click.Path(), default=None,
                             help="YAML recipe setting any of these options (recipes/); several, comma-separated, "
                                  "stack in order (a later one's keys win).")(fn)
@@ -91,6 +93,24 @@ def main(verbose):
 
 for _stage, _cls in configs.STAGES.items():
     main.add_command(_command(_stage, _cls))
+
+
+@main.group("study")
+def study_group():
+    """A study declared in FOLDER/study.yaml, its cells kept as records in FOLDER/records/ (docs/stages/study.md)."""
+
+
+def _study_command(action: str, cls):
+    def run(folder, **values):
+        cfg = configs.load(cls, None, {**values, "study": folder})
+        return getattr(importlib.import_module(stage_module("study")), action)(cfg)
+
+    command = click.argument("folder", type=click.Path(file_okay=False))(_options(cls, skip=("study",), recipe=False)(run))
+    return click.command(action, help=cls.__doc__)(command)
+
+
+for _action, _cls in configs.STUDY_COMMANDS.items():
+    study_group.add_command(_study_command(_action, _cls))
 
 
 @main.command("mlproject")
@@ -175,13 +195,17 @@ def reference_markdown() -> str:
         return getattr(hint, "__name__", str(hint)).replace("|", "or")
 
     out = []
-    for stage, cls in configs.STAGES.items():
+    commands = [(stage, cls, f"MLproject entry point `{entry_point(stage)}`; `--recipe FILE` reads a YAML recipe that "
+                 "sets any recipe key (default < recipe < command line); `--recipe A,B` stacks two (B's keys win).")
+                for stage, cls in configs.STAGES.items()]
+    commands += [(f"study {action} FOLDER", cls, "FOLDER holds the study's study.yaml, which declares everything "
+                  "else ([Study](stages/study.md)); no MLproject entry point, no recipe.")
+                 for action, cls in configs.STUDY_COMMANDS.items()]
+    for stage, cls, intro in commands:
         hints = typing.get_type_hints(cls)
-        out += [f"## `slmsql {stage}`", "", (cls.__doc__ or "").strip().replace("\n", " "), "",
-                f"MLproject entry point `{entry_point(stage)}`; `--recipe FILE` reads a YAML recipe that sets any "
-                "recipe key (default < recipe < command line); `--recipe A,B` stacks two (B's keys win).", "",
+        out += [f"## `slmsql {stage}`", "", " ".join((cls.__doc__ or "").split()), "", intro, "",
                 "| option | recipe key | type | default | meaning |", "|---|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
+        for f in (f for f in dataclasses.fields(cls) if not stage.startswith("study") or f.name != "study"):
             default = configs.default(f)
             if isinstance(default, list):
                 default = ",".join(map(str, default))

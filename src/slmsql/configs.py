@@ -448,6 +448,39 @@ class PlanConfig(Common):
                 raise DataError(f"must be >= 0, got {getattr(self, name)}", "command line", field=name)
 
 
+@dataclass
+class StudyRunConfig:
+    """Run what a study (studies/NAME/study.yaml) still misses: its start, then each cell without a record
+    (GRPO, then evaluate on every eval set), writing one record per finished cell; then its report."""
+
+    study: str = opt("", "The study folder (holding study.yaml).", required=True)
+    shard: str = opt("", "K/N: run only the K-th of N shares of the declared cells (cell i is in share i mod N + "
+                     "1), so N machines can split a study; each runs the missing cells of its share.")
+    cells: list[str] = opt([], "Run only these cells (ids as in records/: ARM-seedS); 'start' makes the start "
+                           "alone.")
+    ray_address: str = opt("", "Send the cells to this Ray cluster (auto, HOST:PORT or ray://HOST:PORT) as tasks "
+                           "with the CPUs and GPUs the study's budget gives a cell; this process writes the "
+                           "records.")
+    reuse: bool = opt(True, "Reuse finished MLflow steps whose parameters and code version match.")
+    report: bool = opt(True, "Write the report from the records afterwards.")
+    output_dir: str = opt("", "Folder for the steps' outputs (default outputs/studies/NAME).")
+
+    def __post_init__(self):
+        if self.shard and not re.fullmatch(r"[1-9][0-9]*/[1-9][0-9]*", self.shard) or (
+                self.shard and int(self.shard.split("/")[0]) > int(self.shard.split("/")[1])):
+            raise DataError(f"expected K/N with 1 <= K <= N, got {self.shard!r}", "command line", field="shard")
+
+
+@dataclass
+class StudyReportConfig:
+    """Build a study's report (report.md, report.json, forest.png in its folder) from its records alone."""
+
+    study: str = opt("", "The study folder (holding study.yaml).", required=True)
+
+
+STUDY_COMMANDS = {"run": StudyRunConfig, "report": StudyReportConfig}  # `slmsql study run|report FOLDER`
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
           "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig, "plan": PlanConfig}

@@ -1,0 +1,86 @@
+"""`slmsql study run FOLDER` and `slmsql study report FOLDER`: a study declared in `FOLDER/study.yaml`, its cells
+kept as records in `FOLDER/records/`, its report built from them (docs/stages/study.md).
+
+run: the declaration and every record checked (a bad one refused by name before anything runs) -> the cells still
+missing, of this shard -> the start (made, found or pinned; its record written once) -> each missing cell, here or
+on Ray, its record written as it finishes -> the report. A crash loses no finished cell: a rerun, on this machine or
+another with the records, runs only what has no record.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from slmsql.configs import StudyReportConfig, StudyRunConfig
+from slmsql.errors import DataError
+from slmsql.studies import cells, dispatch, records, spec
+from slmsql.workflow.steps import code_version
+
+log = logging.getLogger(__name__)
+
+
+def todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[spec.Cell]:
+    """The missing cells this run takes: those of --cells, or of the --shard K/N share, or all."""
+    declared = study.cells()
+    if cfg.cells:
+        unknown = sorted(set(cfg.cells) - {c.id for c in declared} - {records.START})
+        if unknown:
+            raise DataError(f"no such cell(s) {unknown}; declared: {[c.id for c in declared]}", "command line",
+                            field="cells")
+        declared = [c for c in declared if c.id in cfg.cells]
+    elif cfg.shard:
+        k, n = map(int, cfg.shard.split("/"))
+        declared = [c for i, c in enumerate(declared) if i % n == k - 1]
+    return [c for c in declared if c.id not in done]
+
+
+def write_report(study: spec.Study, start, done: dict) -> dict:
+    from slmsql.studies import report as reporting  # matplotlib: loaded only when a report is written
+
+    rep = reporting.build(study.as_dict(), start, [done[c.id] for c in study.cells() if c.id in done])
+    reporting.write(study.folder, rep)
+    return rep
+
+
+def run(cfg: StudyRunConfig) -> dict:
+    study = spec.load(cfg.study)
+    spec.check_files(study)
+    start, done = records.read(study)  # every record checked before anything runs
+    work = todo(study, done, cfg)
+    if start is not None and work and code_version() not in study.accepted_code(start["code_version"]):
+        raise DataError(f"this code ({code_version()}) is not one the study accepts "
+                        f"({sorted(study.accepted_code(start['code_version']))}): its cells would not pool. To "
+                        "continue with it, add it under continue_with with the reason (docs/stages/study.md)",
+                        study.path, field="continue_with")
+    print(f"study {study.name}: {len(done)} of {len(study.cells())} cells recorded; this run: "
+          f"{len(work)} cell(s){' and the start' if start is None else ''}", flush=True)
+    workdir = cfg.output_dir or str(Path("outputs") / "studies" / study.name)
+    s = cells.steps(study, workdir, cfg.reuse)
+    st = cells.start(study, s, start)
+    finished = []
+
+    def progress(c: spec.Cell, path: Path) -> None:
+        finished.append(c.id)
+        print(f"[{len(finished)}/{len(work)}] cell {c.id} recorded: {path}", flush=True)
+
+    if cfg.ray_address:
+        dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress)
+    else:
+        dispatch.here(study, work, st, s, progress)
+    start, done = records.read(study)
+    if cfg.report:
+        write_report(study, start, done)
+        print(f"report: {study.folder / 'report.md'}", flush=True)
+    left = records.missing(study, done)
+    print(f"study {study.name}: {len(done)} of {len(study.cells())} cells recorded"
+          + (f"; missing: {', '.join(c.id for c in left)}" if left else ""), flush=True)
+    return {"recorded": sorted(done), "missing": [c.id for c in left], "ran": finished}
+
+
+def report(cfg: StudyReportConfig) -> dict:
+    study = spec.load(cfg.study)
+    start, done = records.read(study)
+    rep = write_report(study, start, done)
+    print((study.folder / "report.md").read_text(encoding="utf-8"), flush=True)
+    return rep

@@ -1,0 +1,170 @@
+"""A study's records: `records/start.json` (the start: its fingerprint, how it was made, its own results on every
+eval set) and one `records/<cell>.json` per finished cell (its config, the start's fingerprint, the code version,
+the float path, right or wrong and a hash of the SQL per question and eval set, its headline metrics and MLflow
+run ids). Records are what a user commits or copies: a study's report is built from them alone.
+
+Reading them is strict. A record that is not JSON, names another study or cell, carries a config other than the
+declaration's, comes from another start (fingerprint) or from code the study does not accept is refused by its
+file name, before anything runs or any report is written: never pooled, never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from slmsql.errors import DataError
+from slmsql.studies.spec import Cell, Study
+
+SCHEMA = "slmsql.study-record/1"
+START = "start"
+WEIGHTS = ("*.safetensors", "*.bin")  # a policy folder's weights: a LoRA adapter's or a whole model's
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(policy, band) -> dict:
+    """The start's identity: sha256 of its weights files (a LoRA adapter's, or a whole model's; checkpoints
+    aside) and of its band file, and one digest of both."""
+    files = sorted(f for pattern in WEIGHTS for f in Path(policy).glob(pattern))
+    if not files:
+        raise DataError("no weights (*.safetensors, *.bin) in the start's policy folder", policy)
+    weights = hashlib.sha256("".join(f"{f.name}\0{sha256_file(f)}\n" for f in files).encode()).hexdigest()
+    band_sha = sha256_file(band)
+    return {"fingerprint": hashlib.sha256(f"{weights}\0{band_sha}".encode()).hexdigest(),
+            "policy_sha256": weights, "band_sha256": band_sha}
+
+
+def float_path() -> dict:
+    """What decides this machine's floats: torch's version and CPU kernels, the thread count, the device."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+            "threads": os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())),
+            "device": gpu or f"cpu ({platform.machine()})"}
+
+
+def sql_hash(sql) -> str:
+    return hashlib.sha256(str(sql or "").encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def results(rows) -> dict:
+    """results.jsonl rows -> {question id: [correct, sql hash]}."""
+    return {str(r["id"]): [bool(r["correct"]), sql_hash(r.get("predicted_sql"))] for r in rows}
+
+
+def make(study: Study, cell: str, *, config: dict, start: dict, code_version: str, results: dict, metrics: dict,
+         runs: dict, arm=None, seed=None) -> dict:
+    return {"schema": SCHEMA, "study": study.name, "cell": cell, "arm": arm, "seed": seed, "config": config,
+            "start": start, "code_version": code_version, "float_path": float_path(), "results": results,
+            "metrics": metrics, "mlflow": runs,
+            "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def path_of(study: Study, cell: str) -> Path:
+    return study.records / f"{cell}.json"
+
+
+def write(study: Study, record: dict) -> Path:
+    """Write a record whole or not at all (a temporary file renamed over nothing: an existing record is never
+    replaced, so a cell finished twice, say by a retried task, counts once)."""
+    path = path_of(study, record["cell"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{record['cell']}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # a file to commit and share, not mkstemp's private 0600
+        os.link(tmp, path)  # fails if the record exists: first writer wins
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path
+
+
+def _read(path: Path, study: Study, cell: str) -> dict:
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"corrupt record (not UTF-8: {e.reason})", path) from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"corrupt record (not JSON: {e.msg})", path, e.lineno) from None
+    if not isinstance(rec, dict):
+        raise DataError("corrupt record (not a JSON object)", path)
+    for key in ("schema", "study", "cell", "config", "start", "code_version", "float_path", "results", "metrics"):
+        if key not in rec:
+            raise DataError("corrupt record: key missing", path, field=key)
+    for key, want in (("schema", SCHEMA), ("study", study.name), ("cell", cell)):
+        if rec[key] != want:
+            raise DataError(f"expected {want!r}, got {rec[key]!r}", path, field=key)
+    if not isinstance(rec["results"], dict) or not all(
+            isinstance(v, dict) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], bool)
+                                        for x in v.values()) for v in rec["results"].values()):
+        raise DataError("corrupt record: expected {eval set: {question id: [correct, sql hash]}}", path,
+                        field="results")
+    return rec
+
+
+def _differs(want: dict, got: dict) -> str:
+    keys = sorted(set(want) | set(got), key=str)
+    k = next(k for k in keys if want.get(k) != got.get(k))
+    if isinstance(want.get(k), dict) and isinstance(got.get(k), dict):
+        return f"{k}.{_differs(want[k], got[k])}"
+    return f"{k} (declared {want.get(k)!r}, recorded {got.get(k)!r})"
+
+
+def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
+    """The start record (or None) and every cell record by cell id, each checked against the declaration.
+    A file in records/ that names no declared cell is refused too: a typo would otherwise be a silent gap."""
+    declared = {c.id: c for c in study.cells()}
+    start = None
+    if path_of(study, START).is_file():
+        start = _read(path_of(study, START), study, START)
+        if start["config"] != study.start_config():
+            raise DataError(f"the start was made otherwise than study.yaml declares: "
+                            f"{_differs(study.start_config(), start['config'])}", path_of(study, START), field="config")
+    cells = {}
+    for path in sorted(study.records.glob("*.json")) if study.records.is_dir() else []:
+        name = path.stem
+        if name == START:
+            continue
+        if name not in declared:
+            raise DataError(f"a record for no declared cell (declared: {sorted(declared)})", path)
+        rec = _read(path, study, name)
+        want = study.cell_config(declared[name])
+        if rec["config"] != want:
+            raise DataError(f"config differs from the declaration: {_differs(want, rec['config'])}", path,
+                            field="config")
+        if start is None:
+            raise DataError("a cell record without records/start.json: the start it was trained from is unknown", path)
+        if rec["start"].get("fingerprint") != start["start"]["fingerprint"]:
+            raise DataError(f"from another start (fingerprint {rec['start'].get('fingerprint', '?')[:12]}, the "
+                            f"study's {start['start']['fingerprint'][:12]}): never pooled", path, field="start")
+        accepted = study.accepted_code(start["code_version"])
+        if rec["code_version"] not in accepted:
+            raise DataError(f"made by code {rec['code_version']}, which the study does not accept "
+                            f"({sorted(accepted)}): never pooled silently. To pool it, add it under continue_with "
+                            f"in {study.path} with the reason (docs/stages/study.md)", path, field="code_version")
+        cells[name] = rec
+    return start, cells
+
+
+def missing(study: Study, cells: dict) -> list[Cell]:
+    return [c for c in study.cells() if c.id not in cells]

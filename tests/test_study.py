@@ -1,0 +1,270 @@
+"""Studies as data, without training: the declaration's checks, the records' checks (refused by name, nothing
+lost), shards, and the one way to continue a study with new code. Refusals users meet are run from the command
+line in a new process. The runs themselves (start, cells, two clones, Ray) are tests/test_study_run.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slmsql import configs
+from slmsql.configs import StudyRunConfig
+from slmsql.errors import DataError
+from slmsql.stages import study as stage
+from slmsql.studies import records, spec
+
+YAML = """\
+question: Does it work?
+experiment: test-study
+start:
+  model: {model}
+  adapter: {model}
+band: {{limit: 10, data: {dev}}}
+db_root: {db}
+grpo: {{max_steps: 2}}
+arms:
+  a: {{}}
+  b: {{learning_rate: 3.0e-4}}
+seeds: [0, 1]
+eval_sets:
+  - {{name: dev, data: {dev}}}
+comparisons:
+  - {{arm: a}}
+  - {{arm: b, against: a}}
+"""
+
+
+@pytest.fixture
+def folder(tmp_path, shop):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "dev.jsonl").write_text('{"id": "q1", "db_id": "shop", "question": "x", "sql": "SELECT 1"}\n')
+    f = tmp_path / "studies" / "demo"
+    f.mkdir(parents=True)
+    (f / "study.yaml").write_text(YAML.format(model=tmp_path / "model", db=shop, dev=tmp_path / "dev.jsonl"))
+    return f
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "slmsql.cli", "study", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def fake_records(study, fingerprint="f" * 64, code="c0de", cells=None):
+    """A start record and cell records as `study run` writes them, with made-up results."""
+    ids = [f"q{i}" for i in range(6)]
+    start = records.make(study, records.START, config=study.start_config(), start={"fingerprint": fingerprint},
+                         code_version=code, results={"dev": {q: [i % 2 == 0, "0" * 16] for i, q in enumerate(ids)}},
+                         metrics={}, runs={})
+    records.write(study, start)
+    for c in cells if cells is not None else study.cells():
+        rec = records.make(study, c.id, config=study.cell_config(c), start={"fingerprint": fingerprint},
+                           code_version=code, results={"dev": {q: [i < 4, "1" * 16] for i, q in enumerate(ids)}},
+                           metrics={}, runs={}, arm=c.arm, seed=c.seed)
+        records.write(study, rec)
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_declaration_reads_and_expands_the_family(folder):
+    s = spec.load(folder)
+    assert [c.id for c in s.cells()] == ["a-seed0", "a-seed1", "b-seed0", "b-seed1"]
+    assert s.comparisons == [{"arm": "a", "against": "start", "eval_set": "dev"},
+                             {"arm": "b", "against": "a", "eval_set": "dev"}]
+    # an arm's own options win over the shared grpo section, and the config a record must carry says so
+    assert s.cell_config(s.cells()[2])["grpo"]["learning_rate"] == "0.0003"
+    assert s.cell_config(s.cells()[0])["grpo"]["learning_rate"] == "0.001"
+    assert s.cell_config(s.cells()[0])["grpo"]["max_steps"] == "2"
+
+
+@pytest.mark.parametrize("edit, line, field, says", [
+    (("grpo: {max_steps: 2}", "grpo: {max_steps: 2}\nlearning_rate: 1"), 9, "learning_rate", "unknown key"),
+    (("  b: {learning_rate: 3.0e-4}", "  b: {learn_rate: 3.0e-4}"), 11, "arms.b.learn_rate",
+     "not an option of GRPOStageConfig"),
+    (("  b: {learning_rate: 3.0e-4}", "  b: {seed: 4}"), 11, "arms.b.seed", "set by the study itself"),
+    (("seeds: [0, 1]", "seeds: [0, 1, 0]"), 12, "seeds.2", "seed 0 is listed twice"),
+    (("  - {arm: b, against: a}", "  - {arm: b, against: c}"), 17, "comparisons.1.against", "another declared arm"),
+    (("grpo: {max_steps: 2}", "grpo: {max_steps: 0}"), 8, "grpo.max_steps", "must be >= 1"),
+])
+def test_a_bad_declaration_is_refused_in_process_naming_file_line_and_key(folder, edit, line, field, says):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace(*edit))
+    with pytest.raises(DataError) as e:
+        spec.load(folder)
+    assert (e.value.path, e.value.line, e.value.field) == (path, line, field)
+    assert says in str(e.value)
+
+
+def test_an_unknown_key_is_refused_from_the_command_line_before_anything_runs(folder, tmp_path):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text() + "budgett: {cell_minutes: 3}\n")
+    before = snapshot(tmp_path)
+    out = cli("run", str(folder), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"{path}:18: field 'budgett': unknown key" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert snapshot(tmp_path) == before  # no outputs, no records, no MLflow store
+
+
+def test_a_missing_input_file_is_refused_naming_the_key(folder, tmp_path):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace("{name: dev, data: " + str(tmp_path / "dev.jsonl"),
+                                             "{name: dev, data: " + str(tmp_path / "gone.jsonl")))
+    with pytest.raises(DataError, match=r"eval_sets\.0\.data.*no such file: .*gone.jsonl"):
+        spec.check_files(spec.load(folder))
+
+
+@pytest.mark.parametrize("case", ["corrupt", "other start", "other code", "other config", "no such cell"])
+def test_a_bad_record_is_refused_by_name_and_nothing_is_lost(folder, tmp_path, case):
+    s = spec.load(folder)
+    fake_records(s)
+    bad = records.path_of(s, "b-seed1")
+    rec = json.loads(bad.read_text())
+    if case == "corrupt":
+        bad.write_text(bad.read_text()[:200])
+    elif case == "other start":
+        rec["start"]["fingerprint"] = "e" * 64
+    elif case == "other code":
+        rec["code_version"] = "0ther0c0de"
+    elif case == "other config":
+        rec["config"]["grpo"]["learning_rate"] = "0.01"
+    if case == "no such cell":
+        bad = s.records / "c-seed0.json"
+        bad.write_text(json.dumps({**rec, "cell": "c-seed0"}))
+    elif case != "corrupt":
+        bad.write_text(json.dumps(rec))
+    before = snapshot(tmp_path)
+    for action in ("report", "run"):
+        out = cli(action, str(folder), cwd=tmp_path)
+        assert out.returncode == 2, out.stderr
+        assert str(bad) in out.stderr and "Traceback" not in out.stderr
+        assert snapshot(tmp_path) == before  # the other records untouched, no report, no outputs
+    says = {"corrupt": "not JSON", "other start": "from another start", "other code": "made by code 0ther0c0de",
+            "other config": "learning_rate (declared '0.0003', recorded '0.01')", "no such cell": "no declared cell"}
+    assert says[case] in out.stderr
+
+
+def test_new_code_pools_only_once_the_study_says_so(folder):
+    s = spec.load(folder)
+    fake_records(s, code="c0de")
+    rec = json.loads(records.path_of(s, "b-seed1").read_text())
+    records.path_of(s, "b-seed1").write_text(json.dumps({**rec, "code_version": "n3wc0de"}))
+    with pytest.raises(DataError, match="made by code n3wc0de"):
+        records.read(s)
+    path = folder / "study.yaml"
+    path.write_text(path.read_text() + "continue_with:\n  - {code_version: n3wc0de}\n")
+    with pytest.raises(DataError, match="give both code_version and reason"):
+        spec.load(folder)
+    path.write_text(path.read_text().replace("{code_version: n3wc0de}",
+                                             "{code_version: n3wc0de, reason: a docs-only change}"))
+    start, cells = records.read(spec.load(folder))
+    assert sorted(cells) == ["a-seed0", "a-seed1", "b-seed0", "b-seed1"]
+
+
+def test_shards_split_the_declared_cells_and_run_only_what_is_missing(folder):
+    s = spec.load(folder)
+    shares = [stage.todo(s, {}, StudyRunConfig(study=str(folder), shard=f"{k}/3")) for k in (1, 2, 3)]
+    ids = [[c.id for c in share] for share in shares]
+    assert ids == [["a-seed0", "b-seed1"], ["a-seed1"], ["b-seed0"]]
+    done = {"a-seed0": {}}
+    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder), shard="1/3"))] == ["b-seed1"]
+    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder)))] == ["a-seed1", "b-seed0",
+                                                                                      "b-seed1"]
+    with pytest.raises(DataError, match="no such cell"):
+        stage.todo(s, done, StudyRunConfig(study=str(folder), cells=["a-seed7"]))
+    for bad in ("0/2", "3/2", "1-2"):
+        with pytest.raises(DataError, match="K/N"):
+            StudyRunConfig(study=str(folder), shard=bad)
+
+
+def test_a_record_is_written_once(folder):
+    s = spec.load(folder)
+    fake_records(s, cells=[])
+    rec = records.make(s, "a-seed0", config=s.cell_config(s.cells()[0]), start={"fingerprint": "f" * 64},
+                       code_version="c0de", results={"dev": {}}, metrics={"x": 1}, runs={}, arm="a", seed=0)
+    first = records.write(s, rec).read_bytes()
+    records.write(s, {**rec, "metrics": {"x": 2}})  # a retried task finishing too: the first record stands
+    assert records.path_of(s, "a-seed0").read_bytes() == first
+    assert not list(s.records.glob(".*.tmp"))
+
+
+def test_the_fingerprint_is_of_the_weights_and_the_band(tmp_path):
+    policy, band = tmp_path / "policy", tmp_path / "band.jsonl"
+    policy.mkdir()
+    (policy / "adapter_model.safetensors").write_bytes(b"w1")
+    (policy / "adapter_config.json").write_text("{}")
+    band.write_text("a\n")
+    fp = records.fingerprint(policy, band)
+    import hashlib
+    assert fp["band_sha256"] == hashlib.sha256(b"a\n").hexdigest()
+    (policy / "adapter_config.json").write_text('{"x": 1}')  # not weights: the same start
+    assert records.fingerprint(policy, band) == fp
+    (policy / "adapter_model.safetensors").write_bytes(b"w2")
+    assert records.fingerprint(policy, band)["fingerprint"] != fp["fingerprint"]
+    (policy / "adapter_model.safetensors").unlink()
+    with pytest.raises(DataError, match="no weights"):
+        records.fingerprint(policy, band)
+
+
+# ---- the studies this project declares (studies/*/study.yaml): what each declaration says ------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def declared(name: str) -> spec.Study:
+    return spec.load(ROOT / "studies" / name)
+
+
+def test_every_declared_study_reads(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    names = sorted(p.parent.name for p in (ROOT / "studies").glob("*/study.yaml"))
+    assert {"toy-control", "toy-rewards", "toy-study", "toy-transfer-200", "smollm2-real",
+            "smollm2-long-pilot"} <= set(names)
+    for name in names:
+        s = spec.load(ROOT / "studies" / name)
+        assert s.question and s.cells() and s.comparisons
+
+
+def test_the_control_is_one_comparison_on_the_band_of_a_start_with_headroom(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s = declared("toy-control")
+    assert 0 < s.sft["max_steps"] < configs.SFTStageConfig().max_steps and s.pin  # stopped short, pinned
+    assert (s.band["low"], s.band["high"], s.band["limit"]) == (0.1, 0.9, 0)  # every question 1-7 of 8 right
+    assert [es.data for es in s.eval_sets] == [spec.BAND] and len(s.comparisons) == 1  # a Holm family of 1
+    assert len(s.seeds) == 3 and not {100, 101} & set(s.seeds)  # none of its pilot's seeds
+
+
+def test_the_reward_sets_are_the_reward_recipes_on_the_controls_start_and_length(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s, control = declared("toy-rewards"), declared("toy-control")
+    assert s.start_from.endswith("toy-control") and s.seeds == control.seeds
+    keys = ("rewards", "reward_weights", "runs_tier", "format_tier")
+    for arm in ("outcome", "dense", "qatch"):
+        cfg = s.grpo_config(arm)
+        recipe = configs.load(configs.GRPOStageConfig, f"recipes/rewards/{arm}.yaml", require=False)
+        assert [getattr(cfg, k) for k in keys] == [getattr(recipe, k) for k in keys]
+        ctl = control.grpo_config("grpo")  # as long and at the rate the control trains
+        assert (cfg.max_steps, cfg.learning_rate) == (ctl.max_steps, ctl.learning_rate) == (600, 3e-4)
+
+
+def test_the_smollm2_studies_share_one_start_and_differ_only_in_length(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    real, pilot = declared("smollm2-real"), declared("smollm2-long-pilot")
+    assert pilot.start_from.endswith("smollm2-real") and real.pin  # the long pilot trains from the pinned start
+    assert (real.band["limit"], real.band["k"]) == (0, 8) and real.evaluate["limit"] == 0  # all 300, whole sets
+    assert [es.name for es in pilot.eval_sets] == [es.name for es in real.eval_sets] == [
+        "toy-dev", "toy-dev_cross", "toy-band-seen"]
+    a, b = pilot.grpo_config("long"), real.grpo_config("grpo")
+    differ = {f.name for f in configs.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+    assert differ == {"max_steps", "num_train_epochs"} and (a.max_steps, a.num_train_epochs) == (-1, 3)
+    assert not set(pilot.seeds) & set(real.seeds)
+
+
+def test_the_200_step_run_is_on_fresh_seeds_from_the_toy_studys_start(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    s, toy = declared("toy-transfer-200"), declared("toy-study")
+    assert s.start_from.endswith("toy-study") and not set(s.seeds) & set(toy.seeds)
+    assert s.grpo_config("grpo").max_steps == 200 and toy.grpo_config("defaults").max_steps == 50
