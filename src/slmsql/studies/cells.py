@@ -50,7 +50,16 @@ def _section(name: str, section: dict) -> dict:
     values = {k: v for k, v in section.items() if k != "recipe"}
     cfg = configs.load(cls, ",".join(section.get("recipe", [])) or None, values, require=False)
     given = set(values) | {k for p in section.get("recipe", []) for k in configs.recipe_values(cls, p)}
-    return {k: configs.param_text(getattr(cfg, k)) for k in given - set(owned)}
+    out = {k: configs.param_text(getattr(cfg, k)) for k in (given | set(PATHS) & _names(cls)) - set(owned)}
+    # files as the steps find them (they run in the project folder, wherever this ran from), defaults too
+    return {k: _path(v) if k in PATHS else v for k, v in out.items() if v or k in given}
+
+
+PATHS = ("data", "db_root", "tables_json")  # a section's fields naming files
+
+
+def _names(cls) -> set[str]:
+    return {f.name for f in configs.fields(cls)}
 
 
 def _loads(study: Study, policy: str, adapter_key: str) -> dict:
