@@ -5,7 +5,6 @@ import importlib.util
 import random
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,24 +25,45 @@ def dbs(tmp_path_factory):
     return paths
 
 
-def test_func_timeout_abandons_the_call_and_stops_it_at_its_next_bytecode():
-    finished = []
+def test_func_timeout_abandons_the_call_and_stops_it_at_its_next_bytecode(monkeypatch):
+    """Events, not wall-clock windows: the call blocks (in C, where the timeout exception cannot land) until the
+    test lets it go, which is only after func_timeout has given up on it and asked for it to be stopped."""
+    import ctypes
+
+    finished, release = [], threading.Event()
+    asked = threading.Event()  # func_timeout has set the exception that stops the call
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+
+    def asking(*args):
+        done = set_async_exc(*args)
+        asked.set()
+        return done
+
+    monkeypatch.setattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", asking)
 
     def slow():
-        time.sleep(0.3)  # C code: the timeout exception cannot land until it returns
+        release.wait()  # blocked in C: the timeout exception cannot land until it returns
         finished.append(True)
 
+    watchdog = threading.Timer(120, release.set)  # were func_timeout to wait for the call, this would end it
+    watchdog.start()
     before = set(threading.enumerate())
-    with pytest.raises(bench.FunctionTimedOut):
-        bench.func_timeout(0.02, slow)
-    abandoned = [t for t in set(threading.enumerate()) - before if t.is_alive()]
-    assert abandoned, "the timed-out call must still be running after func_timeout gave up"
-    for t in abandoned:
-        t.join(5)
-    assert not finished  # the exception landed once sleep returned: the rest never ran
-    assert bench.func_timeout(1.0, lambda x: x + 1, args=(1,)) == 2
+    try:
+        with pytest.raises(bench.FunctionTimedOut):
+            bench.func_timeout(0.02, slow)
+        assert not release.is_set(), "func_timeout waited for the call instead of abandoning it"
+        assert asked.wait(120), "func_timeout never asked the abandoned call to stop"
+    finally:
+        release.set()
+        watchdog.cancel()
+    for t in set(threading.enumerate()) - before - {watchdog}:
+        t.join(120)
+        assert not t.is_alive(), "the abandoned call was never stopped"
+    assert not finished  # the exception landed once the call returned to bytecode: the rest never ran
+    # a call that returns is waited for (thread.join(timeout)): a timeout no load reaches, as it returns at once
+    assert bench.func_timeout(120.0, lambda x: x + 1, args=(1,)) == 2
     with pytest.raises(ZeroDivisionError):
-        bench.func_timeout(1.0, lambda: 1 / 0)
+        bench.func_timeout(120.0, lambda: 1 / 0)
 
 
 def test_bird_execute_model_scores_set_equality_and_zero_on_error(dbs):
