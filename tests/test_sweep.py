@@ -521,7 +521,19 @@ def test_small_sweep_cells_are_tagged_children_with_the_same_metric_names(small_
     # however long each cell ran (10 s sampling; a 2-step cell may take less): its system metrics are there
     assert all("system/cpu_utilization_percentage" in r.data.metrics for r in by_stage["grpo"])
     evals = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] != "baseline"]
-    assert len({frozenset(r.data.metrics) for r in evals}) == 1 and "vs_baseline/p" in evals[0].data.metrics
+    # the same names in every cell, but for the one logged only where finite: the MDD is infinite where this n
+    # cannot detect any difference, which depends on each cell's own answers (so: each cell's, recomputed)
+    finite_only = {"vs_baseline/mdd"}
+    assert len({frozenset(r.data.metrics) - finite_only for r in evals}) == 1
+    assert "vs_baseline/p" in evals[0].data.metrics
+    for r in evals:
+        m = {k.removeprefix("vs_baseline/"): v for k, v in r.data.metrics.items()}
+        n = int(m["only_this_right"] + m["only_baseline_right"] + m["both_right"] + m["both_wrong"])
+        mdd = stats.min_detectable_difference(n, (m["both_right"] + m["only_baseline_right"]) / n,
+                                              (m["only_this_right"] + m["only_baseline_right"]) / n or None,
+                                              alpha=float(r.data.params["alpha"]))
+        assert ("mdd" in m) == math.isfinite(mdd), (r.data.tags["slmsql.variant"], mdd)
+        assert m.get("mdd", math.inf) == pytest.approx(mdd, rel=1e-3)
     [base] = [r for r in by_stage["evaluate"] if r.data.tags["slmsql.variant"] == "baseline"]
     assert {r.data.tags["slmsql.baseline_run"] for r in evals} == {base.info.run_id}
     assert {r.data.params["runs_tier"] for r in by_stage["grpo"]} == {"0.1", "0.0"}
