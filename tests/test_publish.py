@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import time
 from pathlib import Path
 
@@ -295,6 +296,18 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path, loads):
     assert version.source == result["text2sql_model"] and version.run_id == store["grpo"]
     logged = client.get_logged_model(version.source.removeprefix("models:/"))
     assert logged.name == "text2sql-dry-run" and logged.tags["slmsql.dry_run"] == "true"
+    # its page in the UI says what it is, as the policies' do: what it serves, what it wraps, its runs, not pushed
+    note = logged.tags["mlflow.note.content"]
+    publish_run = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])[0]
+    link = lambda run_id: f"/runs/{run_id})"  # noqa: E731  (a Markdown link to the run's page)
+    assert note.startswith("The servable `text2sql` MLflow model (pyfunc) that `slmsql publish --dry-run` logged")
+    assert "`prompt_style` = compact" in note and "generates greedily" in note
+    assert f"It wraps the LoRA adapter that GRPO run [" in note and link(store["grpo"]) in note
+    assert "this model's artifact `adapter/`" in note and f"on the base `{BASE}` from the Hugging Face Hub" in note
+    assert all(link(store[e]) in note.split("evaluated by ")[1].split(";")[0] for e in ("grpo_bird", "grpo_spider"))
+    assert link(store["filter"]) in note.split("filter run ")[1] and link(publish_run.info.run_id) in note
+    assert f"Not pushed: a dry run sends nothing to the Hub (a push would go to `{REPO}`)" in note
+    assert note.endswith(f"Registered as `tiny-grpo` version {version.version} under the alias `dry-run`.")
     assert {k: version.tags.get(k) for k in ("hub_repo", "pushed", "hub_url", "hub_commit")} == {
         "hub_repo": REPO, "pushed": "no (publish --dry-run)", "hub_url": None, "hub_commit": None}
     local = Path(mlflow.artifacts.download_artifacts(version.source, dst_path=str(tmp_path / "model")))
@@ -894,6 +907,10 @@ def test_dry_run_names_a_base_that_is_a_run_artifact_and_copies_none(store, worl
     pyfunc = mlflow.models.Model.load(str(model_dir)).flavors["python_function"]
     assert set(pyfunc["artifacts"]) == {"adapter"} and not (model_dir / "artifacts" / "tiny-sft").exists()
     assert pyfunc["config"]["base_uri"] == f"runs:/{store['sft']}/policy" and pyfunc["config"]["base_model"] is None
+    note = client.get_logged_model(version.source.removeprefix("models:/")).tags["mlflow.note.content"]
+    assert (f"on the base the run artifact `runs:/{store['sft']}/policy`, fetched when the model loads (not copied "
+            f"here); a push would send it to `{BASE_REPO}`.") in note
+    assert "Not pushed" in note and "filter run" not in note  # none given
     weights = {p.name for p in (world["root"] / "sft-policy").glob("*.safetensors")}
     assert weights and not any(p.name in weights for p in model_dir.rglob("*.safetensors"))
     served = mlflow.pyfunc.load_model("models:/tiny-grpo@dry-run").predict(pd.DataFrame(
@@ -935,6 +952,10 @@ def test_a_dry_run_takes_nothing_a_push_made(store, hub, tmp_path, monkeypatch):
     assert {m.dataset_name: m.value for m in model.metrics if m.key == "ex"} == ex == {
         "bird": pytest.approx(54 / 149), "spider": pytest.approx(166 / 200)}
     assert "MLmodel" in {f.path for f in client.list_logged_model_artifacts(policy)}
+    # the policy's page stays the policy's (lineage.describe_model), the dry run's says it was not pushed
+    assert "Not pushed" in client.get_logged_model(first["text2sql_model"].removeprefix("models:/")).tags[
+        "mlflow.note.content"]
+    assert "servable" not in client.get_logged_model(policy).tags.get("mlflow.note.content", "").split(".")[0]
 
     second = main(config(store, tmp_path, dry_run=True, overwrite=True))
     assert second["text2sql_model"] == first["text2sql_model"] and second["model_version"] == first["model_version"]
@@ -967,6 +988,15 @@ def test_an_installed_wheel_validates_and_publishes_outside_a_checkout(store, tm
     src = tmp_path / "checkout"  # the tracked tree, so that the build writes nothing into the real one
     shutil.copytree(root, src, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", ".cache", "outputs", "mlruns", "site", "mlflow.db", "__pycache__", "*.egg-info", "build"))
+    # without build isolation (no index needed) the build runs on this environment's setuptools: the one the
+    # build-system table asks for (the test extra installs it; a Python 3.11 venv brings 65.5, which cannot)
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    for req in map(Requirement, tomllib.loads((root / "pyproject.toml").read_text())["build-system"]["requires"]):
+        assert req.specifier.contains(version(req.name), prereleases=True), \
+            f"{req.name} {version(req.name)} installed; the build needs {req} (pip install -e '.[test]')"
     pip = [sys.executable, "-m", "pip", "-q"]
     done = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")],
                           capture_output=True, text=True, timeout=600)

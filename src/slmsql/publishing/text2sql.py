@@ -181,6 +181,70 @@ def fingerprint(model_config: dict, commits: dict) -> str:
     return hashlib.sha256(json.dumps([model_config, commits], sort_keys=True).encode()).hexdigest()[:16]
 
 
+def describe_text2sql(model_id: str, model_config: dict, commits: dict, eval_runs=(), filter_run: str = "",
+                      registered: dict | None = None) -> str | None:
+    """The description (its page in the MLflow UI) of a text2sql LoggedModel that is not a policy's own (a dry
+    run's, `DRY_RUN_NAME`, or a push's when the policy's holds one already; the policy's is `describe_model`'s):
+    what it serves, the adapter and the base it wraps, the runs behind it, whether it was pushed and where it is
+    registered. Returns it (None, and nothing set, for a policy's model)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from slmsql.tracking.descriptions import run_link
+    from slmsql.tracking.lineage import KIND_TAG
+    from slmsql.tracking.runs import NOTE
+
+    client = mlflow.MlflowClient()
+    model = client.get_logged_model(model_id)
+    if KIND_TAG in model.tags:
+        return None
+
+    def link(run_id: str) -> str:
+        try:
+            return run_link(client.get_run(run_id))
+        except MlflowException:
+            return f"`{run_id}`"
+
+    dry = model.tags.get("slmsql.dry_run") == "true"
+    c = model_config
+    grpo = link(c["grpo_run"])
+    text = (f"The servable `text2sql` MLflow model (pyfunc) that `slmsql publish{' --dry-run' if dry else ''}` "
+            "logged: given a question and its database (CREATE TABLE text as `schema`, or an SQLite file's path as "
+            "`db_path`), it answers with the SQL in the completion the policy generates greedily, with the prompt "
+            "and generation settings of the evaluations below ("
+            + ", ".join(f"`{k}` = {c[k]}" for k in SETTINGS if k in c) + ").")
+    if c.get("base_uri"):
+        base = (f"the run artifact `{c['base_uri']}`, fetched when the model loads (not copied here)"
+                + (f"; a push would send it to `{c['base_repo']}`" if c.get("base_repo") else ""))
+    elif c.get("base_model"):
+        base = f"`{c['base_model']}` from the Hugging Face Hub, downloaded when the model loads"
+    else:
+        base = (f"this model's artifact `base/`, a local full model"
+                + (f" pushed as `{c['base_repo']}`" if c.get("base_repo") and commits.get("base") else ""))
+    text += (f"\n\nIt wraps the LoRA adapter that GRPO run {grpo} trained (this model's artifact `adapter/`: the "
+             f"folder publish wrote, model card included) on the base {base}.")
+    runs = [f"trained by GRPO run {grpo}"]
+    if eval_runs:
+        runs.append("evaluated by " + ", ".join(link(r) for r in eval_runs))
+    if filter_run:
+        runs.append(f"its RL band from filter run {link(filter_run)}")
+    active = mlflow.active_run()
+    if active is not None:
+        runs.append(f"logged by publish run {link(active.info.run_id)}")
+    text += "\n\nRuns behind it: " + "; ".join(runs) + "."
+    if commits.get("adapter"):
+        text += (f"\n\nPushed to `{c.get('hub_repo')}` (adapter commit {commits['adapter'][:10]}"
+                 + (f", base commit {commits['base'][:10]}" if commits.get("base") else "") + ").")
+    else:
+        text += (f"\n\nNot pushed: a dry run sends nothing to the Hub (a push would go to `{c.get('hub_repo')}`) "
+                 "and takes nothing a push made: the GRPO policy's own LoggedModel stays as it was.")
+    if registered:
+        text += (f" Registered as `{registered['registered_model']}` version {registered['model_version']}"
+                 + (f" under the alias `{registered['alias']}`" if registered.get("alias") else "") + ".")
+    client.set_logged_model_tags(model_id, {NOTE: text})
+    return text
+
+
 def log_text2sql(run_id: str, adapter: Path, model_config: dict, commits: dict, base: Path | None = None,
                  into: str | None = None, dry_run: bool = False):
     """Log the text2sql model to run `run_id`, in that run's experiment (reused when the run already holds one

@@ -232,7 +232,7 @@ def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, nam
     SFT model) is named by its URI and fetched when the model loads; another local base gets no model."""
     import mlflow
 
-    from slmsql.publishing.text2sql import log_text2sql, stage_base
+    from slmsql.publishing.text2sql import describe_text2sql, log_text2sql, stage_base
 
     result = {} if cfg.dry_run else push_all(cfg, token, out, runs)
     model = runs.grpo.data.tags.get("slmsql.model", "")
@@ -267,6 +267,9 @@ def ship(cfg: PublishConfig, token: str | None, out: Path, runs: cards.Runs, nam
     mlflow.set_tag("slmsql.text2sql_model", model_uri)
     if name:
         result.update(register(name, cfg, result, model_uri))
+    # its page in the UI: what it serves, what it wraps, its runs, pushed or not (a policy's model has its own)
+    describe_text2sql(model_uri.removeprefix("models:/"), model_config, commits, cfg.eval_runs, cfg.filter_run,
+                      result if name else None)
     return result
 
 
