@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
-import socket
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import mlflow
@@ -18,6 +20,7 @@ import pandas as pd
 import psutil
 import pytest
 from click.testing import CliRunner
+from ports import Front, start_serving
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -205,25 +208,36 @@ def test_sync_refuses_a_folder_that_is_not_an_outbox(tmp_path):
 # ---- a real server, killed mid-run ----------------------------------------------------------------------
 
 class Server:
-    """`mlflow server` on a fixed loopback port and store, which can be SIGKILLed (the whole process tree: the
-    server and its uvicorn worker, as an OOM kill or a container stop does) and restarted."""
+    """`mlflow server` on one loopback address and store, which can be SIGKILLed (the whole process tree: the
+    server and its uvicorn worker, as an OOM kill or a container stop does) and restarted. The address is a port
+    this test holds throughout (ports.Front), so no other process can take it while the server is away; each start
+    gets a port of its own behind it. While the server is away, a connection to the address is reset at once."""
 
     def __init__(self, root: Path):
-        self.root, self.proc = root, None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.root, self.proc, self.backend = root, None, None
+        self.front = Front()
+        self.port = self.front.port
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self):
-        with open(self.root / "server.log", "ab") as log:
-            self.proc, uri = tracking.start_server(port=self.port, store=self.root / "store.db",
-                                                   artifacts=self.root / "artifacts", log_file=log)
-        assert uri == self.uri
+        def launch(port):
+            with open(self.root / "server.log", "ab") as log:
+                return subprocess.Popen(tracking.server_command("127.0.0.1", port, self.root / "store.db",
+                                                                self.root / "artifacts"),
+                                        env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+
+        def healthy(port):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return True
+
+        self.proc, self.backend = start_serving(launch, healthy, timeout_s=120,
+                                                describe=lambda: (self.root / "server.log").read_text())
+        self.front.backend = self.backend
 
     def kill(self):
         if self.proc is None:
             return
+        self.front.down()
         try:
             procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
@@ -234,13 +248,16 @@ class Server:
         self.proc.wait(timeout=60)
         psutil.wait_procs(procs, timeout=60)
         self.proc = None
-        deadline = time.monotonic() + 60  # the port is free again before anyone restarts on it
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) != 0:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"port {self.port} still answers after the server was killed")
+
+    def close(self):
+        self.kill()
+        self.front.close()
+
+
+def server_env() -> dict:
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # as tracking.start_server starts it
+    return env
 
 
 @pytest.fixture
@@ -250,7 +267,7 @@ def server(tmp_path):
     try:
         yield srv
     finally:
-        srv.kill()
+        srv.close()
 
 
 def outage_at(server, kill_step: int, restart_step: int | None, seen: list):

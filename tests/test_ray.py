@@ -38,6 +38,7 @@ import mlflow
 import psutil
 import pytest
 from ci_env import in_ci
+from ports import start_serving
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
@@ -162,12 +163,6 @@ def stage_metrics(run) -> dict:
 
 # ---- a real cluster: `ray start --head` as its own process, on loopback ----------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def session_processes(sid: int) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter():
@@ -180,20 +175,25 @@ def session_processes(sid: int) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path):
     data, ref, ref_metrics = reference
-    port = free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
-         "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
-         "--disable-usage-stats", "--temp-dir", temp],
-        stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    heads = []
+
+    def start(port):
+        heads.append(subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
+             "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
+             "--disable-usage-stats", "--temp-dir", temp],
+            stdout=(tmp_path / "head.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True))
+        return heads[-1]
+
+    def answers(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    # on a port its own process listens on: started again on another if someone took the one handed out
+    head, port = start_serving(start, answers, timeout_s=120, describe=(tmp_path / "head.log").read_text,
+                               members=session_processes)  # Ray's processes: the head's session
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and head.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            time.sleep(0.5)
-        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
         # `mlflow run` passes every parameter to `slmsql filter`, which joins the cluster as a Ray driver.
         # (MLFLOW_EXPERIMENT_ID: what an earlier mlflow.set_experiment in this process left in the environment)
         env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_EXPERIMENT_ID"},

@@ -13,17 +13,16 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 from ci_env import in_ci
+import ports
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 USER, DB = "slmsql", "mlflow"
@@ -58,17 +57,6 @@ def pg_bindir() -> Path:
     return max(found, key=lambda b: int(b.parent.name) if b.parent.name.isdigit() else -1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def process_tree(proc: subprocess.Popen) -> set[tuple[int, float]]:
     """(pid, start time) of a process and all its descendants: the start time tells a reused pid apart."""
     p = psutil.Process(proc.pid)
@@ -87,18 +75,6 @@ def survivors(procs: set[tuple[int, float]]) -> list[psutil.Process]:
 
 def still_running(procs: set[tuple[int, float]]) -> list[str]:
     return [f"{q.pid} {' '.join(q.cmdline())[:120]}" for q in survivors(procs)]
-
-
-def wait_until(check, proc: subprocess.Popen, log: Path, what: str, timeout_s: float):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{what} exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"{what} not ready within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager
@@ -138,14 +114,19 @@ def postgres(root: Path):
                                "-E", "UTF8", "--locale=C", "--auth-local=trust", "--auth-host=scram-sha-256",
                                "--no-sync"], check=False, cwd=base, capture_output=True, text=True, timeout=120)
         assert init.returncode == 0, f"initdb failed:\n{init.stdout[-2000:]}{init.stderr[-2000:]}"
-        port = free_port()
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([*as_owner, bindir / "postgres", "-D", data, "-k", base,
-                                     "-h", "127.0.0.1", "-p", str(port)], cwd=base, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        conn = {"host": "127.0.0.1", "port": port, "user": USER, "password": password, "connect_timeout": 5}
-        wait_until(lambda: psycopg2.connect(dbname="postgres", **conn).close() is None, proc, log,
-                   "postgres", 60)
+        def start(port):
+            with open(log, "ab") as out:
+                return subprocess.Popen([*as_owner, bindir / "postgres", "-D", data, "-k", base,
+                                         "-h", "127.0.0.1", "-p", str(port)], cwd=base, stdout=out,
+                                        stderr=subprocess.STDOUT)
+
+        def conn_at(port):
+            return {"host": "127.0.0.1", "port": port, "user": USER, "password": password, "connect_timeout": 5}
+
+        # on a port of its own: started again on another if someone took the one handed out (ports.py)
+        proc, port = ports.start_serving(start, lambda p: psycopg2.connect(dbname="postgres", **conn_at(p)).close()
+                                         is None, timeout_s=60, describe=log.read_text)
+        conn = conn_at(port)
         admin = psycopg2.connect(dbname="postgres", **conn)
         admin.autocommit = True  # CREATE DATABASE cannot run inside a transaction
         with admin.cursor() as cur:
@@ -180,18 +161,22 @@ class TeamServer:
         # the driver named explicitly: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, not psycopg2
         self.store_uri = f"postgresql+psycopg2://{USER}:{pg['password']}@127.0.0.1:{pg['port']}/{DB}"
         self.artifacts, log = root / "artifacts", root / "mlflow-server.log"
-        self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-        with open(log, "wb") as out:  # the documented command, so its option and its shutdown are tested too
-            self.mlflow_proc = subprocess.Popen(
-                [sys.executable, "-m", "slmsql.cli", "server", "--port", str(self.port),
-                 "--backend-store-uri", self.store_uri, "--artifacts", str(self.artifacts)],
-                cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+        def start(port):
+            with open(log, "ab") as out:  # the documented command, so its option and its shutdown are tested too
+                self.mlflow_proc = subprocess.Popen(
+                    [sys.executable, "-m", "slmsql.cli", "server", "--port", str(port),
+                     "--backend-store-uri", self.store_uri, "--artifacts", str(self.artifacts)],
+                    cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+            return self.mlflow_proc
+
         self.stack.callback(self._stop_mlflow)
-        self.uri = f"http://127.0.0.1:{self.port}"
         # the first start creates MLflow's schema in PostgreSQL (alembic migrations): allow for a slow machine
-        wait_until(lambda: urllib.request.urlopen(self.uri + "/health", timeout=2).status == 200,
-                   self.mlflow_proc, log, "slmsql server", 240)
+        _, self.port = ports.start_serving(
+            start, lambda p: urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=2).status == 200,
+            timeout_s=240, describe=log.read_text)
+        self.uri = f"http://127.0.0.1:{self.port}"
         self.processes()
 
     def _stop_mlflow(self):
@@ -269,5 +254,4 @@ def test_stage_tracked_on_mlflow_server_with_postgresql_backend(team_server, tmp
     assert len(procs) >= 4, procs  # slmsql server + uvicorn, runuser/postgres + background workers
     team_server.stop()
     assert team_server.mlflow_proc.returncode is not None and team_server.pg_proc.returncode is not None
-    assert still_running(procs) == []
-    assert not listening(team_server.port) and not listening(team_server.pg["port"])
+    assert still_running(procs) == []  # nor anything of theirs listening (the ports may be anyone's now)

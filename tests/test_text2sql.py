@@ -12,10 +12,8 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -25,6 +23,7 @@ import pytest
 import scripted
 import torch
 from hubstub import HubStub
+import ports
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -151,12 +150,6 @@ def test_bad_rows_are_refused_with_the_row_named(store):
 
 # ---- mlflow models serve ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
@@ -167,26 +160,26 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
-    port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"], "PATH": f"{sys.prefix}/bin:{os.environ['PATH']}",
            "HF_HUB_OFFLINE": "1"}  # the base is inside the model: serving needs no Hub
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{NAME}@candidate",
-                             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "-w", "1"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tree = set()
+
+    def serve(port):
+        return subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{NAME}@candidate",
+                                 "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "-w", "1"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def pings(port):
+        tree.update((q.pid, q.create_time()) for q in ports.tree(proc_of[port].pid))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as r:
+            return r.status == 200
+
+    proc_of = {}
+    proc, port = ports.start_serving(lambda p: proc_of.setdefault(p, serve(p)), pings, timeout_s=180,
+                                     describe=lambda: (tmp_path / "serve.log").read_text())
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.time() < deadline, "the server did not answer /ping in 180 s"
-            tree |= {(q.pid, q.create_time()) for q in [psutil.Process(proc.pid),
-                                                          *psutil.Process(proc.pid).children(recursive=True)]}
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            time.sleep(0.5)
+        tree.update((q.pid, q.create_time()) for q in ports.tree(proc.pid))
         ids, by_path = dev_rows(policy, "db_path")
         _, by_schema = dev_rows(policy, "schema")
         request = {"dataframe_records": [by_path[0], by_schema[1]]}
@@ -212,9 +205,7 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
     # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past a minute
     _, alive = psutil.wait_procs(procs, timeout=60)
     alive = [" ".join(q.cmdline()) for q in alive if q.status() != psutil.STATUS_ZOMBIE]
-    assert len(tree) >= 2 and alive == []  # the CLI and uvicorn, both gone
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+    assert len(tree) >= 2 and alive == []  # the CLI and uvicorn, both gone: nothing of theirs listens any more
 
 
 # ---- the pushed pair -------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 from click.testing import CliRunner
+from ports import refused_port
 
 from slmsql.cli import main
 
@@ -8,13 +9,14 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def test_unreachable_tracking_server_fails_fast_with_no_output(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on the discard port
-    out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["evaluate", "--data", str(EXAMPLES / "gold.jsonl"), "--db-root",
-                                       str(EXAMPLES / "databases"), "--predictions",
-                                       str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)])
+    with refused_port() as port:  # held by this test, never listening: nothing can answer on it
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+        out = tmp_path / "out"
+        result = CliRunner().invoke(main, ["evaluate", "--data", str(EXAMPLES / "gold.jsonl"), "--db-root",
+                                           str(EXAMPLES / "databases"), "--predictions",
+                                           str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)])
     assert result.exit_code == 2
-    assert "tracking server http://127.0.0.1:9 is unreachable" in result.output
+    assert f"tracking server http://127.0.0.1:{port} is unreachable" in result.output
     assert not out.exists() and not out.with_name("out.partial").exists()
 
 
