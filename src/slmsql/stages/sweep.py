@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from slmsql.inputs.data import read_jsonl, write_json
 from slmsql.runtime.outputs import Staged
 from slmsql.stats import inference, seedstats
 from slmsql.stats.wording import pct
+from slmsql.studies import compare, tables
 from slmsql.workflow.steps import project_path
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,8 @@ def _correct(steps, run) -> dict[str, bool]:
 
 def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
     """The comparison table. `correct[run_id]` is an evaluate run's {question id: correct}; `cells` carry
-    variant, seed and eval_runs {eval set: run id}; baselines are under the cells' `baseline_runs`."""
+    variant, seed and eval_runs {eval set: run id}; baselines are under the cells' `baseline_runs`. Its rows and
+    Holm are a study report's too (studies/compare.py)."""
     rows = []
     for v in plan.variants:
         for es in plan.sets_of(plan.start_of.get(v.label)):
@@ -229,22 +230,13 @@ def report(plan: Plan, cells: list[dict], correct: dict, alpha: float) -> dict:
                 if sorted(got) != ids:
                     raise SlmsqlError(f"evaluate run {c['eval_runs'][es.name]} scored other questions than its baseline")
                 runs.append([got[i] for i in ids])
-            res = inference.compare_seeds(runs, [base[i] for i in ids], alpha)
             start = getattr(plan.start_of.get(v.label), "name", "")
-            rows.append({"variant": v.label, "start": start, "eval_set": es.name, **{k: res[k] for k in (
-                "n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
-                "diff_ci_high", "t", "df", "p")}, **seedstats.summary(runs, [base[i] for i in ids], alpha)})
-    for row, p_holm in zip(rows, inference.holm([r["p"] for r in rows])):
-        row["p_holm"] = p_holm
-        row["verdict"] = inference.verdict(p_holm, row["diff"], alpha)
-    with_seeds = [r for r in rows if r["seed_p"] is not None]  # the method's family: the same comparisons
-    for row, p_holm in zip(with_seeds, inference.holm([r["seed_p"] for r in with_seeds])):
-        row["seed_p_holm"], row["seed_verdict"] = p_holm, inference.verdict(p_holm, row["diff"], alpha)
-    for row in rows:  # JSON has no NaN or inf: the sd of one seed, t when every question moved alike
-        row.setdefault("seed_p_holm", None)
-        row.setdefault("seed_verdict", None)
-        for key in ("ex_sd", "t", "seed_df"):
-            row[key] = row[key] if row[key] is not None and math.isfinite(row[key]) else None
+            rows.append({"variant": v.label, "start": start, "eval_set": es.name,
+                         **compare.vs_start(runs, [base[i] for i in ids], alpha)})
+    # the method's family: the same comparisons, where there are seeds to make a random unit of
+    compare.adjust(rows, alpha, seed_family=[r for r in rows if r["seed_p"] is not None])
+    for row in rows:
+        compare.finite(row)
     return {
         "alpha": alpha, "seeds": plan.seeds, "method": inference.POOLED_METHOD, "seed_method": seedstats.METHOD,
         "comparisons": len(rows),
@@ -284,49 +276,20 @@ def wide_table(rep: dict):
 
 
 def markdown(rep: dict) -> str:
-    # ASCII signs and 3-decimal p: the terminal table docs/studies.md reproduces (the card uses wording's)
-    pts = lambda x: "n/a" if x is None else f"{100 * x:+.1f}"  # noqa: E731
-    pv = lambda p: "< 0.001" if p < 0.001 else f"{p:.3f}"  # noqa: E731
     level = f"{1 - rep['alpha']:.0%}"
     several = len(rep.get("starts", [])) > 1  # then each row has its own start: a column, not the heading
     lines = [f"{len(rep['variants'])} variant(s) x {len(rep['seeds'])} seed(s) {rep['seeds']}, each vs "
              f"{'its own' if several else 'the'} starting policy. Pooled test: {rep['method']}. p (Holm): "
              f"{rep['adjustment']}; the verdict compares it with alpha = {rep['alpha']}. EX sd / min-max: between "
              "seeds.", ""]
+    with_seeds = sum(r["seed_p"] is not None for r in rep["rows"])  # the method's Holm family
     for es in rep["eval_sets"]:
         start = "" if several else f"; starting policy EX {pct(es['ex_b'])}, run {es['baseline_run']}"
+        mine = [r for r in rep["rows"] if r["eval_set"] == es["name"]]
         lines += [f"**{es['name']}** (n = {es['n']}{start})", "",
-                  f"| variant |{' start EX |' if several else ''} EX mean | sd (points) | min - max | diff, points "
-                  f"[{level} CI] | p | p (Holm) | verdict |", f"|---|{'---:|' if several else ''}---:|---:|---|---|"
-                  "---:|---:|---|"]
-        for r in (r for r in rep["rows"] if r["eval_set"] == es["name"]):
-            sd = "n/a" if r["ex_sd"] is None else f"{100 * r['ex_sd']:.1f}"
-            start = f" {pct(r['ex_b'])} |" if several else ""
-            lines.append(f"| {r['variant']} |{start} {pct(r['ex_mean'])} | {sd} | {pct(r['ex_min'])} - "
-                         f"{pct(r['ex_max'])} | "
-                         f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}] | {pv(r['p'])} | "
-                         f"{pv(r['p_holm'])} | {r['verdict']} |")
-        lines += ["", *_method_table(rep, es["name"], pts, pv)]
+                  *tables.pooled_table(mine, level, base_column="start EX" if several else ""), "",
+                  *tables.method_table([r for r in mine if r["seed_p"] is not None], with_seeds)]
     return "\n".join(lines)
-
-
-def _method_table(rep: dict, name: str, pts, pv) -> list[str]:
-    """The same comparisons with seeds as a random unit (stats/seedstats.py): what the table above says of the seeds
-    trained, this says of the method; marked where the two verdicts differ."""
-    rows = [r for r in rep["rows"] if r["eval_set"] == name and r["seed_p"] is not None]
-    if not rows:
-        return []
-    out = [f"Over seeds (seeds a random unit too: a verdict for the method, not these seeds; Holm over "
-           f"{sum(r['seed_p'] is not None for r in rep['rows'])}):", "",
-           "| variant | between-seed sd of the diff (points) | diff [CI] over seeds | df | p | p (Holm) | verdict |",
-           "|---|---:|---|---:|---:|---:|---|"]
-    for r in rows:
-        df = "inf" if r["seed_df"] is None else f"{r['seed_df']:.1f}"
-        differs = f" (pooled: {r['verdict']})" if r["seed_verdict"] != r["verdict"] else ""
-        ci = f"[{pts(r['seed_diff_ci_low'])}, {pts(r['seed_diff_ci_high'])}]"
-        out.append(f"| {r['variant']} | {100 * r['var_seed'] ** 0.5:.1f} | {pts(r['diff'])} {ci} | {df} | "
-                   f"{pv(r['seed_p'])} | {pv(r['seed_p_holm'])} | {r['seed_verdict']}{differs} |")
-    return out + [""]
 
 
 def main(cfg: SweepConfig) -> dict:

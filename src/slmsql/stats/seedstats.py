@@ -16,6 +16,9 @@ MS_question / (S n); the method's adds the seed part, var_seed / S with var_seed
 MS_within) / n), and its t reference takes Satterthwaite's degrees of freedom. Where the seeds spread no more
 than their per-question noise explains (var_seed estimated 0) the two inferences are the same test.
 
+The same ANOVA takes any crossed array of differences (`over_differences`): two arms trained with the same seeds,
+seed s of one minus seed s of the other (the same seed gives the same prompt order), per question.
+
 Why not the alternatives: a bootstrap over seeds then questions is built for nested data (here the questions
 are shared), and 3 seeds give 10 distinct resamples whose spread underestimates the seed variance by (S-1)/S;
 statsmodels' MixedLM fits the same crossed model (its REML estimates equal these for a balanced array) but
@@ -72,7 +75,16 @@ def over_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: 
     correct = np.asarray(runs, dtype=float)
     if correct.ndim != 2 or correct.shape[1] != b.size:
         raise StatsError(f"runs must be seeds x {b.size} questions, got shape {correct.shape}")
-    d = correct - b
+    # the pooled per-question differences as stats.compare_seeds computes them, so that without a seed part the
+    # result is its test to the bit
+    return over_differences(correct - b, alpha, pooled=correct.mean(axis=0) - b)
+
+
+def over_differences(d, alpha: float = 0.05, pooled=None) -> dict:
+    """`over_seeds` on a seeds x questions array of differences d_si given directly: any two policies scored
+    per seed on the same questions (an arm against another arm, seed s paired with seed s), not only a policy
+    against one baseline. `pooled`: the per-question differences the pooled test takes where there is no seed
+    part (default: d's column means; a caller passes its own computation of them to get its test to the bit)."""
     c = components(d)
     s, n = c["seeds"], c["n"]
     if c["var_seed"] > 0:  # the pooled variance MS_question / (S n) plus var_seed / S
@@ -80,7 +92,7 @@ def over_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: 
         df = satterthwaite(combo)
         test = t_inference(c["mean"], math.sqrt(sum(k * ms for k, ms, _ in combo) / (s * n)), df, alpha)
     else:  # no seed part: the pooled test itself (stats.compare_seeds' computation)
-        test = paired_t(correct.mean(axis=0) - b, alpha)
+        test = paired_t(np.asarray(d, dtype=float).mean(axis=0) if pooled is None else pooled, alpha)
     return {**c, "diff": test["mean"], "diff_ci_low": test["ci_low"], "diff_ci_high": test["ci_high"],
             "t": test["t"], "df": test["df"], "p": test["p"], "significant": test["significant"],
             "seed_part": c["var_seed"] > 0, "method": METHOD}
@@ -91,9 +103,19 @@ def summary(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: flo
     (`slmsql plan`) sizes a study from. One seed cannot split the per-question variance: all of it is then
     question variance (var_within 0, the reading under which more seeds would not help) and var_seed is None."""
     if len(runs) < 2:
-        d = np.asarray(runs[0], dtype=float) - np.asarray(baseline, dtype=float)
+        return differences_summary([np.asarray(runs[0], dtype=float) - np.asarray(baseline, dtype=float)], alpha)
+    return _summary(over_seeds(runs, baseline, alpha))
+
+
+def differences_summary(d, alpha: float = 0.05, pooled=None) -> dict:
+    """`summary` of a seeds x questions array of differences given directly (`over_differences`)."""
+    if len(d) < 2:
+        one = np.asarray(d[0], dtype=float)
         return {"seed_diff_ci_low": None, "seed_diff_ci_high": None, "seed_df": None, "seed_p": None,
-                "var_seed": None, "var_question": float(d.var(ddof=1)) if d.size > 1 else 0.0, "var_within": 0.0}
-    r = over_seeds(runs, baseline, alpha)
+                "var_seed": None, "var_question": float(one.var(ddof=1)) if one.size > 1 else 0.0, "var_within": 0.0}
+    return _summary(over_differences(d, alpha, pooled))
+
+
+def _summary(r: dict) -> dict:
     return {"seed_diff_ci_low": r["diff_ci_low"], "seed_diff_ci_high": r["diff_ci_high"], "seed_df": r["df"],
             "seed_p": r["p"], **{k: r[k] for k in ("var_seed", "var_question", "var_within")}}

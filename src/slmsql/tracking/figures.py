@@ -1,5 +1,5 @@
 """The figures runs log: pass-rate histogram (filter), EX with intervals beside the baseline (evaluate), training
-curves (grpo), the sweep's forest plot of each variant's pooled difference."""
+curves (grpo), the forest plot of each comparison's pooled difference (a sweep's, a study's)."""
 
 from __future__ import annotations
 
@@ -104,29 +104,43 @@ def training_curves(log_history: list[dict]):
     return fig
 
 
-def forest_figure(report: dict):
-    """A sweep's forest plot: per eval set, each variant's pooled EX difference vs the starting policy with its
-    interval (blue: improved, red: regressed, black: no significant difference after Holm), and each seed's
-    own difference as a grey dot: the spread a single seed would have hidden."""
+def forest_figure(report: dict, label: str = "variant"):
+    """A forest plot: per eval set, each row's pooled EX difference with its interval (blue: improved, red:
+    regressed, black: no significant difference after Holm), and each seed's own difference as a grey dot: the
+    spread a single seed would have hidden. Rows are named by their `label` key: a sweep's variants against the
+    starting policy, a study's comparisons ("dense vs outcome"), each seed's difference then `diff_seeds`. A row
+    without a verdict (a study's, records missing) is drawn hollow and dashed from the seeds present, and one
+    with nothing to estimate from is named and left empty."""
     plt = _pyplot()
-    sets, variants = report["eval_sets"], [v["label"] for v in report["variants"]]
-    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 0.5 * len(variants) + 1.6), squeeze=False,
+    sets = report["eval_sets"]
+    names = list(dict.fromkeys(r[label] for r in report["rows"]))  # a sweep's variant order, a study's family's
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.5 * len(sets), 0.5 * len(names) + 1.6), squeeze=False,
                              sharey=True)
     colors = {"improved": "#36c", "regressed": "#c33"}
+    note = "\nhollow, dashed: no verdict (records missing)" if any(r["verdict"] is None for r in report["rows"]) else ""
     for ax, es in zip(axes[0], sets):
-        rows = {r["variant"]: r for r in report["rows"] if r["eval_set"] == es["name"]}
-        for y, label in enumerate(variants):
-            r = rows[label]
-            color = colors.get(r["verdict"], "k")
-            ax.plot([100 * r["diff_ci_low"], 100 * r["diff_ci_high"]], [y, y], color=color, lw=1.5)
-            ax.plot(100 * r["diff"], y, "s", color=color)
-            ax.plot([100 * (x - r["ex_b"]) for x in r["ex_seeds"]], [y] * len(r["ex_seeds"]), "o", ms=3,
-                    color="#999", zorder=0)
+        drawn = False
+        for r in (r for r in report["rows"] if r["eval_set"] == es["name"]):
+            y = names.index(r[label])
+            if r["diff"] is None:  # named in the middle of the panel, whatever its scale
+                ax.annotate("records missing", (0.5, y), xycoords=("axes fraction", "data"), ha="center",
+                            va="center", fontsize=7, color="#888")
+                continue
+            drawn = True
+            color, hollow = colors.get(r["verdict"], "k"), r["verdict"] is None
+            ax.plot([100 * r["diff_ci_low"], 100 * r["diff_ci_high"]], [y, y], color=color, lw=1.5,
+                    ls="--" if hollow else "-")
+            ax.plot(100 * r["diff"], y, "s", color=color, mfc="white" if hollow else color)
+            seeds = r["diff_seeds"] if "diff_seeds" in r else [x - r["ex_b"] for x in r["ex_seeds"]]
+            ax.plot([100 * x for x in seeds], [y] * len(seeds), "o", ms=3, color="#999", zorder=0)
         ax.axvline(0, color="#888", lw=0.8, ls="--")
-        ax.set_yticks(range(len(variants)), variants, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel(f"EX difference, points ({1 - report['alpha']:.0%} CI)")
-        start = "" if len(report.get("starts", [])) > 1 else f", start {100 * es['ex_b']:.1f}%"  # else per row
-        ax.set_title(f"{es['name']} (n = {es['n']}{start})", fontsize=9)
+        if not drawn:  # nothing estimated yet: a scale around 0 rather than matplotlib's 0..1
+            ax.set_xlim(-10, 10)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.set_ylim(len(names) - 0.5, -0.5)  # the first row on top
+        ax.set_xlabel(f"EX difference, points ({1 - report['alpha']:.0%} CI){note}")
+        several = len(report.get("starts", [])) > 1 or es.get("ex_b") is None  # else per row, or no start
+        start = "" if several else f", start {100 * es['ex_b']:.1f}%"
+        ax.set_title(f"{es['name']} (n = {'n/a' if es['n'] is None else es['n']}{start})", fontsize=9)
     fig.tight_layout()
     return fig
