@@ -1,0 +1,117 @@
+"""The result table of README.md and docs/index.md ("## The result it computes"), its study rows generated from
+`studies/*/report.json` (scripts/results_table.py writes them; tests/test_study_report.py fails when the files say
+otherwise).
+
+The table sits between two marker lines, whole: an HTML comment inside a markdown table ends it (GitHub and
+MkDocs both), so the markers wrap the table and the generator keeps its typed rows (the seed's published counts)
+in place. A generated row is known by its first cell, which names its study's folder (`studies/NAME`); every
+other row is typed and kept, above the generated ones.
+
+A study shows each of its declared comparisons, or those its plan lists under `readme` (comparison indexes or
+eval set names). A study with records missing shows no verdict and no numbers: its row says how many cells are
+recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from slmsql.errors import DataError
+from slmsql.stats.wording import pct, pts, pval
+
+BEGIN = "<!-- generated: studies/*/report.json (scripts/results_table.py) -->"
+END = "<!-- end generated -->"
+FILES = ("README.md", "docs/index.md")
+MARK = "| `studies/"  # how a generated row begins
+NONE = "—"
+
+
+def reports(root) -> list[tuple[str, dict]]:
+    """(folder name, report) of every `studies/*/report.json` under root, by folder name."""
+    out = []
+    for path in sorted(Path(root).glob("studies/*/report.json")):
+        try:
+            out.append((path.parent.name, json.loads(path.read_text(encoding="utf-8"))))
+        except json.JSONDecodeError as e:
+            raise DataError(f"malformed JSON: {e.msg}", path, e.lineno) from None
+    return out
+
+
+def rows(name: str, report: dict, where="report.json") -> list[str]:
+    """A study's table rows: one per comparison shown."""
+    shown = _shown(report, where)
+    rec = report["records"]
+    incomplete = bool(report["missing"])
+    out = []
+    for i, r in enumerate(shown):
+        what = f"`studies/{name}`: {report['title'] if i == 0 else 'same study'} ({r['label']})"
+        n = NONE if r["n"] is None else r["n"]
+        if incomplete:  # the study, not only this row: its claims wait for its records
+            start = "" if rec["start"] else ", no start record"
+            cells = [what, f"{r['eval_set']} ({n})", NONE, NONE, NONE,
+                     f"records: {rec['cells']} of {rec['declared']} cells{start}; rest missing"]
+        else:
+            p = f"Holm {pval(r['p_holm'])}" if report["comparisons"] > 1 else f"{pval(r['p'])} (family of 1)"
+            verdict = r["verdict"]
+            if r["seed_verdict"] is not None and r["seed_verdict"] != verdict:
+                verdict += f"; over seeds: {r['seed_verdict']}"
+            cells = [what, f"{r['eval_set']} ({n})", f"{pct(r['ex_b'])} → {pct(r['ex_mean'])}",
+                     f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}]", p, verdict]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return out
+
+
+def _shown(report: dict, where) -> list[dict]:
+    chosen = (report.get("plan") or {}).get("readme")
+    if chosen is None:
+        return report["rows"]
+    sets = {es["name"] for es in report["eval_sets"]}
+    if not isinstance(chosen, list) or any(not (c in sets or (isinstance(c, int) and 0 <= c < len(report["rows"])))
+                                           for c in chosen):
+        raise DataError(f"expected a list of comparison indexes (0 to {len(report['rows']) - 1}) or eval set names "
+                        f"{sorted(sets)}, got {chosen!r}", where, field="plan.readme")
+    return [r for r in report["rows"] if r["index"] in chosen or r["eval_set"] in chosen]
+
+
+def generated(root) -> list[str]:
+    """Every study's rows, by folder name."""
+    root = Path(root)
+    return [line for name, rep in reports(root) for line in rows(name, rep, root / "studies" / name / "report.json")]
+
+
+def rewrite(text: str, new_rows: list[str], path="README.md") -> str:
+    """`text` with its marked table's generated rows replaced by `new_rows` (typed rows kept, first)."""
+    lines = text.split("\n")
+    try:
+        begin, end = lines.index(BEGIN), lines.index(END)
+    except ValueError:
+        raise DataError(f"no marked table: expected a line {BEGIN!r} and, after it, a line {END!r}", path) from None
+    if end < begin:
+        raise DataError(f"{END!r} before {BEGIN!r}", path, end + 1)
+    table = [x for x in lines[begin + 1:end] if x.strip()]
+    for i, x in enumerate(lines[begin + 1:end], begin + 2):
+        if x.strip() and not x.startswith("|"):
+            raise DataError("between the markers only the table is generated: move this line out", path, i)
+    if len(table) < 2:
+        raise DataError("no table between the markers (a header line and a |---| line)", path, begin + 1)
+    typed = [x for x in table[2:] if not x.startswith(MARK)]
+    return "\n".join(lines[:begin + 1] + ["", *table[:2], *typed, *new_rows, ""] + lines[end:])
+
+
+def update(root, check: bool = False) -> list[str]:
+    """Rewrite FILES under root (check: write nothing); returns the files that were (or would be) changed."""
+    root = Path(root)
+    new_rows, changed = generated(root), []
+    for name in FILES:
+        path = root / name
+        text = path.read_text(encoding="utf-8")
+        new = rewrite(text, new_rows, path)
+        if new != text:
+            changed.append(name)
+            if not check:  # whole or not at all: a reader never sees half a README
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(new, encoding="utf-8")
+                os.replace(tmp, path)
+    return changed

@@ -1,0 +1,255 @@
+"""A study's report, built from its records alone (no MLflow store): `report.json` (the numbers), `report.md` (the
+document) and `forest.png`, written into the study's folder by `slmsql study report` (docs/stages/study.md).
+
+Each declared comparison is one row of one Holm family, in declared order. An arm against the start is a sweep's
+row (studies/compare.py: seeds pooled per question; seeds random too); an arm against an arm pairs seed s with
+seed s. The family always has its declared size: a comparison whose records are not all there enters it as p = 1
+and gets no verdict, its estimate from the seeds present shown as incomplete, so a verdict never gets easier as
+records go missing. The missing cells are named, and so is the machine (float path) and code of every cell.
+
+The report is a function of the records: no clock, no paths of this machine, so regenerating it from the same
+records gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+from slmsql.errors import DataError
+from slmsql.inputs.data import dumps
+from slmsql.stats import inference, seedstats
+from slmsql.stats.wording import pct
+from slmsql.studies import compare, tables
+
+SCHEMA = "slmsql.study-report/1"
+START = "start"  # the start record's cell id
+FILES = ("report.json", "report.md", "forest.png")
+
+
+def _where(cell: str) -> str:
+    return f"records/{cell}.json"
+
+
+def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
+    """The report of `study` (spec.Study.as_dict()) from its start record (None: missing) and cell records."""
+    alpha = float(study["alpha"])
+    declared = {c["cell"]: c for c in study["cells"]}
+    got = _recorded(declared, cells)
+    ids = {es: _questions(es, start, got) for es in study["eval_sets"]}
+    missing = ([] if start is not None else [START]) + [c for c in declared if c not in got]
+    rows = [_row(i, comp, declared, start, got, ids[comp["eval_set"]], alpha)
+            for i, comp in enumerate(study["comparisons"])]
+    # one seed declared: nothing to make a random unit of, no method family
+    compare.adjust(rows, alpha, seed_family=rows if len(study["seeds"]) > 1 else [], complete=lambda r: r["complete"])
+    for row in rows:
+        compare.finite(row)
+    m = len(rows)
+    return _json_safe({
+        "schema": SCHEMA, "study": study["name"], "title": study.get("title") or study["name"],
+        "question": study["question"], "alpha": alpha, "arms": list(study["arms"]), "seeds": list(study["seeds"]),
+        "plan": study.get("plan") or {},
+        "method": inference.POOLED_METHOD, "arm_method": compare.ARM_METHOD, "seed_method": seedstats.METHOD,
+        "comparisons": m,
+        "adjustment": f"Holm over the {m} declared comparison{'s' if m != 1 else ''} (one with records missing "
+                      "enters as p = 1)",
+        "records": {"cells": len(got), "declared": len(declared), "start": start is not None},
+        "missing": missing,
+        "start": None if start is None else {"fingerprint": (start.get("start") or {}).get("fingerprint"),
+                                             "code_version": start.get("code_version")},
+        "eval_sets": [{"name": es, "n": None if ids[es] is None else len(ids[es]),
+                       "ex_b": None if start is None else _ex([start["results"][es][q][0] for q in ids[es]])}
+                      for es in study["eval_sets"]],
+        "rows": rows,
+        "provenance": [_provenance(r) for r in ([start] if start is not None else []) + list(got.values())],
+    })
+
+
+def _recorded(declared: dict, cells: list[dict]) -> dict:
+    """cell id -> record, in declared order; a record of no declared cell, or one twice, is refused."""
+    got = {}
+    for rec in cells:
+        cell = rec.get("cell")
+        if cell not in declared:
+            raise DataError(f"{cell!r} is not a declared cell of the study", _where(cell), field="cell")
+        if cell in got:
+            raise DataError("the same cell given twice", _where(cell), field="cell")
+        for key in ("arm", "seed"):
+            if rec.get(key) != declared[cell][key]:
+                raise DataError(f"{rec.get(key)!r}, but the study declares {declared[cell][key]!r} for {cell}",
+                                _where(cell), field=key)
+        got[cell] = rec
+    return {c: got[c] for c in declared if c in got}
+
+
+def _questions(es: str, start: dict | None, got: dict) -> list[str] | None:
+    """The question ids of eval set `es`: the start's, which every cell must have scored exactly (without a start
+    record, the first cell's). None where no record has any."""
+    records = ([(START, start)] if start is not None else []) + list(got.items())
+    for cell, rec in records:
+        if es not in (rec.get("results") or {}):
+            raise DataError(f"no results for eval set {es!r}", _where(cell), field=f"results.{es}")
+    if not records:
+        return None
+    first, ref = records[0][0], set(records[0][1]["results"][es])
+    for cell, rec in records[1:]:
+        mine = set(rec["results"][es])
+        if mine != ref:
+            extra, lack = sorted(mine - ref), sorted(ref - mine)
+            raise DataError(f"scored other questions than {'the start' if first == START else first} on {es!r}: "
+                            f"{len(extra)} not there {extra[:3]}, {len(lack)} of its missing {lack[:3]}",
+                            _where(cell), field=f"results.{es}")
+    return sorted(ref)
+
+
+def _row(index: int, comp: dict, declared: dict, start, got: dict, ids, alpha: float) -> dict:
+    arm, against, es = comp["arm"], comp["against"], comp["eval_set"]
+    need = [c for c, d in declared.items() if d["arm"] in (arm, against)]
+    missing = ([START] if start is None else []) + [c for c in need if c not in got]
+    row = {"index": index, "label": f"{arm} vs {against}", "arm": arm, "against": against, "eval_set": es,
+           "complete": not missing, "missing": missing,
+           "reason": f"records missing: {', '.join(missing)}" if missing else None}
+
+    def seeds_of(name):  # {seed: per-question correct}, in declared order
+        return {r["seed"]: [bool(r["results"][es][q][0]) for q in ids] for r in got.values() if r["arm"] == name}
+
+    a = seeds_of(arm)
+    if against == START:
+        base = [bool(start["results"][es][q][0]) for q in ids] if start is not None else None
+        stats = compare.vs_start(list(a.values()), base, alpha) if a and base is not None else None
+        if stats is not None:
+            stats.update(diff_seeds=[x - stats["ex_b"] for x in stats["ex_seeds"]], seed_ids=list(a))
+        elif base is not None:  # nothing to compare yet, but the start's EX is known
+            stats = {"ex_b": _ex(base)}
+    else:
+        stats = compare.vs_arm(a, seeds_of(against), alpha)  # on the seeds both have
+    # the numbers of a row with records missing are from the seeds present (`seed_ids`)
+    return {**row, **_empty(), "n": None if ids is None else len(ids), **(stats or {})}
+
+
+def _empty() -> dict:
+    return {**dict.fromkeys(compare.STAT_KEYS), **dict.fromkeys(compare.SEED_KEYS), "seeds": 0, "ex_seeds": [],
+            "diff_seeds": [], "seed_ids": []}
+
+
+def _ex(correct: list[bool]) -> float | None:
+    return sum(correct) / len(correct) if correct else None
+
+
+def _provenance(rec: dict) -> dict:
+    """Which machine (float path) and code produced a record, and when, with its MLflow runs."""
+    return {"cell": rec["cell"], "arm": rec.get("arm"), "seed": rec.get("seed"),
+            "code_version": rec.get("code_version"), "float_path": rec.get("float_path") or {},
+            "finished_at": rec.get("finished_at"), "mlflow": rec.get("mlflow") or {}}
+
+
+def _json_safe(obj):
+    """JSON has no NaN or inf: None in their place, anywhere in the report."""
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# ---- report.md ------------------------------------------------------------------------------------------------
+
+def markdown(report: dict) -> str:
+    r = report
+    rec = r["records"]
+    start = ", and the start" if rec["start"] else "; the start's record missing"
+    lines = [f"# {r['title']}", "", f"**Question.** {r['question']}", "",
+             f"Study `{r['study']}`: arms {', '.join(r['arms'])}; seeds {r['seeds']}; records: {rec['cells']} of "
+             f"{rec['declared']} cells{start}.", "", "## Plan", ""]
+    lines += [f"- **{k}**: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+              for k, v in r["plan"].items()] or ["(none declared)"]
+    lines += ["", "## Results", "",
+              f"Pooled test (a verdict for the seeds trained): {r['method']}; an arm against an arm: "
+              f"{r['arm_method']}. Over seeds (a verdict for the method): {r['seed_method']}. p (Holm): "
+              f"{r['adjustment']}; the verdict compares it with alpha = {r['alpha']}. EX sd / min-max: between seeds. "
+              "A row with records missing has no verdict: its numbers are from the seeds present.", ""]
+    level = f"{1 - r['alpha']:.0%}"
+    family = len(r["rows"]) if len(r["seeds"]) > 1 else 0
+    for es in r["eval_sets"]:
+        mine = [x for x in r["rows"] if x["eval_set"] == es["name"]]
+        if not mine:
+            continue
+        n = "n/a" if es["n"] is None else es["n"]
+        # all against the start: its EX in the heading, as a sweep's table; else each row's own in a column
+        arms = any(x["against"] != START for x in mine)
+        lines += [f"### {es['name']}", "", f"n = {n}; starting EX {pct(es['ex_b'])}.", "",
+                  *tables.pooled_table(mine, level, "comparison", lambda x: x["label"],
+                                       "EX compared with" if arms else ""), "",
+                  # the rows with something to show: a planned study's has none, and no table
+                  *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family,
+                                       "comparison", lambda x: x["label"])]
+    lines += ["## Missing records", ""]
+    lines += [f"- `{c}` ({_where(c)})" for c in r["missing"]] or ["None: every declared cell and the start have "
+                                                                   "their record."]
+    lines += ["", "## Provenance", ""]
+    if r["start"] is not None:
+        lines += [f"Start: fingerprint `{r['start']['fingerprint']}` (its policy and band; every cell's record names "
+                  "the same).", ""]
+    return "\n".join(lines + _provenance_table(r["provenance"]))
+
+
+def _provenance_table(prov: list[dict]) -> list[str]:
+    """Which machine (float path) and code produced which cell: cells pool only where the study accepts the code,
+    and a float path that differs is there to see."""
+    if not prov:
+        return ["No records yet."]
+    keys = list(dict.fromkeys(k for p in prov for k in p["float_path"]))
+    paths = {json.dumps(p["float_path"], sort_keys=True) for p in prov}
+    codes = {p["code_version"] for p in prov}
+    out = [f"{len(paths)} float path(s), {len(codes)} code version(s).", "",
+            "| cell | code version |" + "".join(f" {k} |" for k in keys), "|---|---|" + "---|" * len(keys)]
+    for p in prov:  # no finishing times here (they are in report.json): the same results read the same
+        out.append(f"| {p['cell']} | {p['code_version']} |" + "".join(f" {p['float_path'].get(k, '')} |" for k in keys))
+    return out
+
+
+# ---- forest.png and the files ---------------------------------------------------------------------------------
+
+def forest(report: dict):
+    """Each comparison's difference with its interval, per eval set; grey dots: single seeds; hollow, dashed: no
+    verdict (records missing)."""
+    from slmsql.tracking.figures import forest_figure
+
+    return forest_figure(report, label="label")
+
+
+def write(folder, report: dict) -> None:
+    """report.json, report.md and forest.png into `folder`. All three are made in memory first and each is
+    replaced in one rename (tmp + os.replace): an error leaves the previous files as they were, no partial one."""
+    folder = Path(folder)
+    data = {"report.json": (dumps(report, indent=2, allow_nan=False) + "\n").encode("utf-8"),
+            "report.md": (markdown(report) + "\n").encode("utf-8"), "forest.png": _png(report)}
+    tmps = []
+    try:
+        for name in FILES:
+            tmp = folder / f".{name}.tmp"
+            tmps.append(tmp)
+            tmp.write_bytes(data[name])
+        for tmp, name in zip(tmps, FILES):
+            os.replace(tmp, folder / name)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+def _png(report: dict) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = forest(report)
+    try:
+        buf = io.BytesIO()
+        # no "Software" stamp (matplotlib's version): the same records give the same bytes
+        fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
