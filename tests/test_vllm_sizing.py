@@ -53,16 +53,35 @@ def test_parameters_from_the_config_match_the_model_cards(name, total, embedding
     assert params == pytest.approx(total, rel=0.005)
     if embedding_free:
         assert params - config.vocab_size * config.hidden_size == pytest.approx(embedding_free, rel=0.005)
-    # LoRA slots: r x (in + out) of the 7 projections of every layer
-    h, i = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    assert per_rank == config.num_hidden_layers * (2 * (h + h) + 2 * (h + kv) + 3 * (h + i))
+    # LoRA slots per unit of rank, counted by PEFT itself: a rank-1 LoRA on every linear layer but the head
+    # (PEFT's all-linear), on the model's shapes (meta device)
+    assert per_rank == peft_lora_parameters(config, rank=1)
+
+
+def peft_lora_parameters(config, rank: int) -> int:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                               LoraConfig(r=rank, target_modules="all-linear"))
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_the_qwen_figures_are_the_published_ones():
+    """Figures known outside this code: Qwen2.5-Coder-1.5B's parameter count (1,543,714,304: its model card's
+    1.54B, and bench/grpo_gpu.py's published shape) and the LoRA that PEFT reports for it at r = 16 on all
+    linear layers (18,464,768 trainable parameters)."""
+    params, per_rank = vllm_memory.parameters(_config("qwen2.5-coder-1.5b"))
+    assert params == 1_543_714_304
+    assert 16 * per_rank == 18_464_768
 
 
 def test_the_qwen_recipe_fits_trls_share_of_a_24_gib_card_only_with_the_new_sizing(tmp_path):
     cfg, args = _recipe("qwen2.5-coder-1.5b", tmp_path)
     prompts, k = vllm_rollouts.generation_batch(args)
-    assert (prompts, k) == (args.per_device_train_batch_size * args.gradient_accumulation_steps // 8, 8)
+    assert (prompts, k) == (8, 8)  # the recipe's 16 x 4 completions a step: 8 prompts x 8 samples
     # BIRD-length prompts (2,048 tokens) fit; at 4,096 the estimate is 7.22 GiB against 7.20: raise the share
     longest, gpu = 2048, 24 * GIB
     new = vllm_rollouts.memory_estimate(cfg, args, longest, gpu=gpu, dtype="bfloat16")
@@ -72,16 +91,21 @@ def test_the_qwen_recipe_fits_trls_share_of_a_24_gib_card_only_with_the_new_sizi
     # completion)
     sizes = vllm_engine.sizing(prompts=prompts, samples=k, longest=longest, need=longest + 256, chunked=True)
     old_budget = args.per_device_train_batch_size * args.steps_per_generation * (longest + 256)
-    assert sizes["max_num_batched_tokens"] == prompts * longest + prompts * k < old_budget // 8
+    assert sizes["max_num_batched_tokens"] == 8 * 2048 + 64 == 16_448 < old_budget // 8
     assert args.per_device_train_batch_size * args.steps_per_generation * (4096 + 256) > 270_000  # the issue's ~280k
     old = vllm_memory.estimate(_config("qwen2.5-coder-1.5b"), dtype_bytes=2, lora_rank=32,
                                sizes={"max_num_batched_tokens": old_budget, "max_num_seqs": prompts * k * 8},
                                prompts=prompts, samples=k, longest=longest, new_tokens=256, gpu=gpu, utilization=0.3)
     assert not old.fits() and old.activations > old.share  # the start-up profile alone overflows the share
-    # the terms: weights are 2 bytes a parameter; the KV cache one generation batch fills
-    assert new.weights == 2 * vllm_memory.parameters(_config("qwen2.5-coder-1.5b"))[0]
-    per_token = 28 * 2 * 2 * 128 * 2  # layers x (K, V) x KV heads x head size x bf16
-    assert new.kv_cache == per_token * (prompts * longest + prompts * k * (256 + vllm_memory.BLOCK))
+    # the terms, as numbers worked out by hand from config.json and the recipe (not from the estimator's code):
+    # weights, 2 bytes a parameter of the published 1,543,714,304; the LoRA slots, 2 bytes x r = 32 x PEFT's
+    # 18,464,768 / 16
+    assert new.weights == 3_087_428_608
+    assert new.lora == 2 * 32 * 18_464_768 // 16 == 73_859_072
+    # the KV cache one generation batch fills: 28 layers x (K, V) x 2 KV heads x head size 128 x 2 bytes = 28,672
+    # bytes a token, for 8 prompts of 2,048 tokens held once (prefix caching) and 64 completions of 256 tokens,
+    # each with its own last block of 16 (vLLM's block on CUDA): 16,384 + 64 x 272 = 33,792 tokens
+    assert new.kv_cache == 28_672 * 33_792 == 968_884_224
 
 
 def test_a_card_too_small_is_refused_before_any_model_loads_with_the_numbers(tmp_path, monkeypatch):
