@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import ports
 from safetensors.torch import load_file
 
 import rowseeded
@@ -61,12 +61,6 @@ def sft_options(policy, out, batch):
 
 def argv(options: dict) -> list[str]:
     return [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def leftovers(marker: str, grace_s: float = 15.0) -> list[str]:
@@ -109,13 +103,21 @@ def launched(policy, tmp_path_factory):
     uri = f"sqlite:///{root}/mlflow.db"
     data = write(root / "band.jsonl", [{**r, "pass_rate": 0.5, "k": 4, "n_correct": 2}
                                        for r in read(policy.train)[:16]])
-    grpo_run = launch(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
-         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-         str(ROOT / "tests/rowseeded.py"), "grpo", *argv(grpo_options(policy, data, root / "grpo", B))],
-        root, uri, SLMSQL_TEST_GROUP=str(G), SLMSQL_TEST_PIN_DATA=str(data), SLMSQL_TEST_PIN_MODEL=str(policy.model))
+    # accelerate's launcher takes a port number and binds it in its own process a moment later: launched again on
+    # another port if someone took that one meanwhile (it fails at once, saying so). torchrun's --standalone lets
+    # its store bind a port of its own choosing.
+    for _ in range(4):
+        grpo_run = launch(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             str(ROOT / "recipes/accelerate/ddp.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+             "--main_process_port", str(ports.handed_out()),
+             str(ROOT / "tests/rowseeded.py"), "grpo", *argv(grpo_options(policy, data, root / "grpo", B))],
+            root, uri, SLMSQL_TEST_GROUP=str(G), SLMSQL_TEST_PIN_DATA=str(data),
+            SLMSQL_TEST_PIN_MODEL=str(policy.model))
+        if grpo_run["rc"] == 0 or not ports.clashed(grpo_run["log"]):
+            break
     sft_run = launch(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
          "-m", "slmsql.cli", "sft", *argv(sft_options(policy, root / "sft", B // 2))], root, uri)
     with tracking_store(uri):
         client = mlflow.MlflowClient()
@@ -216,14 +218,16 @@ def test_sft_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tmp
 # ---- stages that run as one process; the rank helpers ------------------------------------------------------
 
 PROTOCOL = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
 from slmsql.runtime import distributed
 from slmsql.errors import SlmsqlError
 from slmsql.runtime.outputs import Staged
 
-dist.init_process_group("gloo")
+# the rendezvous: the test's own store, on a port it bound and holds (no port handed on for another to take)
+store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False)
+dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 rank, out, seen = dist.get_rank(), Path(sys.argv[1]), {}
 
 def attempt(name, fn):
@@ -255,8 +259,9 @@ dist.destroy_process_group()  # else gloo's threads may abort the interpreter at
 def test_ranks_share_one_folder_and_one_config(tmp_path):
     """Two real gloo ranks on the library alone (no model): the main process prepares and promotes the one
     output folder; its errors reach the other rank; a config that differs between ranks is refused on both."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: its own
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     procs = [subprocess.Popen([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")], text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
