@@ -205,6 +205,35 @@ def test_a_stale_adapter_stops_the_run(policy, tmp_path, monkeypatch, vllm_ready
 
 
 @pytest.mark.slow
+def test_a_stale_adapter_under_the_right_step_number_stops_the_run(policy, tmp_path, monkeypatch, vllm_ready):
+    """The weights-digest half of the check: after the first step, each sync relabels the adapter the engine
+    already serves with the trainer's current step (a sync that bumps its bookkeeping but never hands vLLM the new
+    weights). The step number is then right; the adapter's digest is not the policy's, and that stops the run."""
+    from slmsql.errors import SlmsqlError
+
+    sync = vllm_rollouts.Rollouts.sync_weights
+    relabelled = []
+
+    def relabel(self):
+        if self.engine is None:
+            return sync(self)
+        ((lora_id, (_, digest)),) = self.served.items()
+        self.served = {lora_id: (self.trainer.state.global_step, digest)}  # the old weights, the new step
+        relabelled.append(self.trainer.state.global_step)
+
+    monkeypatch.setattr(vllm_rollouts.Rollouts, "sync_weights", relabel)
+    # the policy moves at the first update whatever the samples: a reward that varies with any completion text
+    # (ngram) and, beside it, weight decay on the LoRA, which changes its A matrices even where no group has
+    # reward variance
+    cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
+                   learning_rate=0.05, lora_dropout=0.0, max_steps=2, save_steps=2,
+                   rewards=["execution", "format", "ngram"], trainer_args={"weight_decay": 0.1})
+    with pytest.raises(SlmsqlError, match="adapter of step 1 while the policy is at step 1 .its weights changed"):
+        grpo.main(cfg)
+    assert relabelled == [1]
+
+
+@pytest.mark.slow
 def test_policy_step_from_the_command_line(policy, tmp_path, vllm_ready):
     """`slmsql grpo --backend vllm` in a new process: every step's rollouts came from that step's policy."""
     band = band_file(policy, tmp_path / "band.jsonl")
