@@ -1,13 +1,24 @@
-"""Studies as data, without training: the declaration's checks, the records' checks (refused by name, nothing
-lost), shards, and the one way to continue a study with new code. Refusals users meet are run from the command
-line in a new process. The runs themselves (start, cells, two clones, Ray) are tests/test_study_run.py."""
+"""Studies as data. Without training: the declaration's checks, the records' checks (refused by name, nothing lost),
+shards, the one way to continue a study with new code, and what the project's own declarations say; refusals users
+meet run from the command line in a new process. Slow: a study run for real from the command line on the tests'
+tiny policy, split over two "clones" (their own folders, processes and MLflow stores, the study folder copied
+between them) against one run on one machine, and its cells on a real local Ray cluster, one of them on a worker
+that is killed and rerun."""
 
+import contextlib
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from policy import policy_fixture  # noqa: F401  (the fixture)
 
 from slmsql import configs
 from slmsql.configs import StudyRunConfig
@@ -268,3 +279,131 @@ def test_the_200_step_run_is_on_fresh_seeds_from_the_toy_studys_start(monkeypatc
     s, toy = declared("toy-transfer-200"), declared("toy-study")
     assert s.start_from.endswith("toy-study") and not set(s.seeds) & set(toy.seeds)
     assert s.grpo_config("grpo").max_steps == 200 and toy.grpo_config("defaults").max_steps == 50
+
+
+# ---- a study run for real (slow) ---------------------------------------------------------------------------
+
+HERE = Path(__file__).parent
+CELLS = ["a-seed0", "a-seed1"]
+
+RUN_YAML = """\
+question: Does a two-step GRPO move the tiny policy?
+experiment: study-test
+start: {{model: {model}, adapter: {model}, pin: true}}
+band: {{data: {source}, k: 4, low: 0.1, high: 0.9}}
+db_root: {db}
+grpo: {{max_steps: 2, num_generations: 4, per_device_train_batch_size: 8, save_steps: 100}}
+evaluate: {{batch_size: 32}}
+arms: {{a: {{}}}}
+seeds: [0, 1]
+eval_sets: [{{name: dev, data: {dev}}}, {{name: band-seen, data: band}}]
+budget: {{cpus_per_cell: 1}}
+"""
+
+
+def clone(root: Path, policy) -> Path:
+    """A machine's checkout: its own folder, holding the study's declaration (as committed) and nothing else."""
+    folder = root / "studies" / "s"
+    folder.mkdir(parents=True)
+    (folder / "study.yaml").write_text(RUN_YAML.format(model=policy.model, source=policy.source, db=policy.db_root,
+                                                   dev=policy.dev))
+    return root
+
+
+def slmsql(root: Path, *args, script=None):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_EXPERIMENT")},
+           "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *([str(script)] if script else ["-m", "slmsql.cli"]), *args]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def results(root: Path) -> dict:
+    s = spec.load(root / "studies" / "s")
+    start, cells = records.read(s)
+    return {"start": (start["start"], start["results"]), **{k: v["results"] for k, v in cells.items()}}
+
+
+def stage_runs(root: Path, stage: str) -> int:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as con:
+        return con.execute("SELECT count(*) FROM tags WHERE key = 'slmsql.stage' AND value = ?", (stage,)).fetchone()[0]
+
+
+@pytest.mark.slow
+def test_a_study_split_over_two_clones_gives_what_one_run_gives(policy, tmp_path):
+    a, b, one = (clone(tmp_path / n, policy) for n in ("a", "b", "one"))
+    out = slmsql(a, "study", "run", "studies/s", "--shard", "1/2")
+    assert "[1/1] cell a-seed0 recorded" in out.stdout and "missing: a-seed1" in out.stdout
+    # the second machine gets the study folder as committed: the declaration, the records, the pinned start
+    shutil.rmtree(b / "studies" / "s")
+    shutil.copytree(a / "studies" / "s", b / "studies" / "s")
+    out = slmsql(b, "study", "run", "studies/s", "--shard", "2/2")
+    assert "[1/1] cell a-seed1 recorded" in out.stdout
+    assert (stage_runs(b, "filter"), stage_runs(b, "evaluate"), stage_runs(b, "grpo")) == (0, 2, 1)  # no start remade
+    shutil.copy(b / "studies/s/records/a-seed1.json", a / "studies/s/records/a-seed1.json")
+    slmsql(one, "study", "run", "studies/s")  # both cells, one process, one store
+    assert results(a) == results(one)
+    assert results(b)["a-seed1"] == results(one)["a-seed1"]
+    # rerunning with every record present runs nothing, and the report comes from the records alone
+    store = (a / "mlflow.db").read_bytes()
+    out = slmsql(a, "study", "run", "studies/s")
+    assert "this run: 0 cell(s)" in out.stdout
+    for root in (a, one):
+        os.remove(root / "mlflow.db")
+        slmsql(root, "study", "report", "studies/s")
+    rep = {r: json.loads((r / "studies/s/report.json").read_text()) for r in (a, one)}
+    assert rep[a]["rows"] == rep[one]["rows"] and rep[a]["missing"] == [] and len(rep[a]["rows"]) == 2
+    assert (a / "studies/s/report.md").read_text() == (one / "studies/s/report.md").read_text()
+    assert store  # (the store a rerun would have reused existed; the report needed none)
+
+
+@pytest.mark.slow
+def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, tmp_path):
+    root = clone(tmp_path / "r", policy)
+    slmsql(root, "study", "run", "studies/s", "--cells", "start", "--report", "false")
+    port, temp = _port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths fit 107 bytes
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
+         "--disable-usage-stats", "--temp-dir", temp],
+        stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and head.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.5)
+        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
+        out = slmsql(root, CELLS[1], "study", "run", "studies/s", "--ray-address", f"127.0.0.1:{port}",
+                     script=HERE / "study_faults.py")
+    finally:
+        head.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+    cell_dir = root / "outputs/studies/s/cells" / CELLS[1]
+    dead_group = int((cell_dir / "killed-once").read_text())  # the first attempt did die mid-cell
+    with pytest.raises(ProcessLookupError):  # and nothing it started is left running
+        os.killpg(dead_group, 0)
+    assert sorted(p.name for p in (root / "studies/s/records").glob("*.json")) == ["a-seed0.json", "a-seed1.json",
+                                                                                   "start.json"]
+    assert out.stdout.count("cell a-seed1 recorded") == 1 and "2 of 2 cells recorded" in out.stdout
+    # each cell trained by exactly one finished GRPO run (the killed attempt's never finished)
+    import sqlite3
+    with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as con:
+        finished = con.execute("SELECT t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = "
+                               "'slmsql.cell' JOIN tags g ON g.run_uuid = r.run_uuid AND g.key = 'slmsql.stage' AND "
+                               "g.value = 'grpo' WHERE r.status = 'FINISHED'").fetchall()
+    assert sorted(v for (v,) in finished) == CELLS
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
