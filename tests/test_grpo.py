@@ -326,22 +326,26 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
 # ---- training length in passes over the band (max_steps -1, TRL's rule) ---------------------------------
 
 def test_epochs_draw_every_question_once_a_pass(policy, tmp_path):
-    """`--max-steps -1 --num-train-epochs 2` on 6 questions at 2 prompts a step: 6 steps, each question drawn
-    exactly twice (a study's "every band question drawn N times" rests on it)."""
+    """`--max-steps -1 --num-train-epochs 2` on 6 questions at 2 prompts a step: 6 steps; steps 1-3 (the first
+    pass) draw each of the 6 questions exactly once, and so do steps 4-6 (a study's "every band question drawn N
+    times, once a pass" rests on it), not merely twice in all."""
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl", n=6), tmp_path / "out", max_steps=-1,
                    num_train_epochs=2, completions_every=1, save_steps=100)
     summary = grpo.main(cfg)
     assert summary["steps"] == 6
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
-    draws: dict[str, int] = {}
+    by_step: dict[int, list[str]] = {}
     for f in client.list_artifacts(run.info.run_id, "completions"):
         table = json.loads(Path(client.download_artifacts(run.info.run_id, f.path)).read_text())
         ids = [row[table["columns"].index("id")] for row in table["data"]]
         assert len(ids) == 8 and len(set(ids)) == 2  # 2 prompts x G = 4
-        for qid in set(ids):
-            draws[qid] = draws.get(qid, 0) + 1
-    assert draws == {r["id"]: 2 for r in read(cfg.data)}
+        by_step[int(f.path.rsplit("_", 1)[1].removesuffix(".json"))] = sorted(set(ids))
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    every = sorted(r["id"] for r in read(cfg.data))
+    for passed, steps in enumerate(([1, 2, 3], [4, 5, 6]), 1):
+        drawn = [q for s in steps for q in by_step[s]]
+        assert sorted(drawn) == every, f"pass {passed} (steps {steps}) drew {sorted(drawn)}"
 
 
 @pytest.mark.parametrize("over, field", [({"max_steps": 0}, "max_steps"), ({"max_steps": -2}, "max_steps"),
