@@ -11,6 +11,7 @@ import pytest
 
 from ci_env import in_ci
 from slmsql import cli, configs
+from slmsql.studies import readme as results_table
 from slmsql.tracking import vocabulary
 
 ROOT = Path(__file__).parents[1]
@@ -75,10 +76,18 @@ def test_docs_build_strict(tmp_path):
 
 
 def test_the_docs_home_shows_the_readmes_result_table():
-    """The result table is written in the README and copied to the site's home: the two must not drift."""
+    """The result table is in the README and copied to the site's home: the two must not drift, and its study rows
+    are the ones scripts/results_table.py writes from studies/*/report.json, each naming its study's folder."""
     def section(text):
         start = text.index("## The result it computes")
         return text[start:text.index("\n## ", start + 3)]
     readme = section((ROOT / "README.md").read_text()).replace("](docs/", "](")
     assert readme == section((ROOT / "docs" / "index.md").read_text())
-    assert "make study-real" in readme and "make study-control" in readme  # the studies that made its rows
+    # the seed's two typed rows (its published counts), then every study's rows as the script writes them
+    rows = [line for line in readme.splitlines() if line.startswith("| ")][1:]  # past the header
+    typed = [line for line in rows if not line.startswith(results_table.MARK)]
+    assert len(typed) == 2 and all(line.startswith("| seed") for line in typed)
+    assert [line for line in rows if line.startswith(results_table.MARK)] == results_table.generated(ROOT)
+    named = {re.match(r"\| `studies/([^`/]+)`", line)[1] for line in rows if line not in typed}
+    assert named and all((ROOT / "studies" / name / "study.yaml").is_file() for name in named)
+    assert "make study-" not in readme  # the Makefile's study targets are gone: `make study STUDY=NAME`
