@@ -100,10 +100,17 @@ def trained(store, cfg):
     return run.info.run_id, out
 
 
+# How close "the same model" is, loaded another way: merging an adapter into the base's weights (stack mode, a
+# stacked load) rounds each merged weight once, which moves the logits by about 3e-6 here, by more on other
+# float paths and thread counts. 1e-4 holds that noise with a wide margin and stays 10x below what these tests
+# show a missing layer moves (each check below pairs with a `not allclose(..., atol=1e-3)`), so it still fails.
+SAME = 1e-4
+
+
 def reloads_as_trained(cfg, trained_logits, adapter=None):
     """The saved adapter (default: the output folder's), loaded as evaluate loads it, computes what was trained."""
     again = logits(cfg.model, adapter or Path(cfg.output_dir) / "adapter", prompt_for(cfg))
-    return torch.allclose(again, trained_logits, atol=1e-5), float((again - trained_logits).abs().max())
+    return torch.allclose(again, trained_logits, atol=SAME), float((again - trained_logits).abs().max())
 
 
 # ---- a fresh LoRA ---------------------------------------------------------------------------------------
@@ -292,7 +299,7 @@ def test_stacks_nest_and_a_continued_stack_keeps_its_base(policy, tmp_path):
         want_s = PeftModel.from_pretrained(merged(base(), sft_a), stack_s).eval()(**tokens).logits
         got = {name: models.load_model(policy.tiny, tmp_path / name, device="cpu", dtype="float32")[0](**tokens).logits
                for name in ("stack2", "continued")}
-    assert torch.allclose(got["stack2"], want_s2, atol=1e-5)
-    assert torch.allclose(got["continued"], want_s, atol=1e-5)
+    assert torch.allclose(got["stack2"], want_s2, atol=SAME)
+    assert torch.allclose(got["continued"], want_s, atol=SAME)
     assert not torch.allclose(want_s2, want_s, atol=1e-3)  # the layers differ, so the checks above can fail
     assert (tmp_path / "stack2" / models.STACK_BASE / models.STACK_BASE / "adapter_model.safetensors").is_file()
