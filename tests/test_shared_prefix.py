@@ -335,17 +335,25 @@ VARIANTS = {
 }
 
 
+# The comparisons train with plain SGD: an update is then lr x the gradient, so two runs' adapters differ by what
+# their gradients do (float noise: ~1e-6 relative). Adam's first update is lr x sign(g) entry by entry: any entry
+# whose gradient is near zero flips with the float noise, a 2 x lr step, which no relative tolerance survives on
+# every machine; and being blind to the gradient's scale, it would pass a wrongly scaled loss.
+SGD = {"trainer_args": "optim=sgd", "learning_rate": 0.1}
+
+
 def run_grpo(policy, runs, name, shared: bool, monkeypatch, **over):
     from slmsql.stages import grpo
 
     out = runs["root"] / f"{name}-{'shared' if shared else 'plain'}"
     over = {k: (str(runs["sft"]) if v == "SFT" else v) for k, v in over.items()}
+    over = {**SGD, **over, "trainer_args": f"{SGD['trainer_args']} {over.get('trainer_args', '')}".strip()}
     cfg = configs.load(configs.GRPOStageConfig, None, {
         "data": str(runs["band"]), "db_root": str(policy.db_root), "model": str(policy.model),
         "output_dir": str(out), "run_name": out.name, "experiment": "shared-prefix", "num_generations": 4,
         "per_device_train_batch_size": 8, "max_completion_length": 40, "max_steps": STEPS, "save_steps": 100,
         "completions_every": 100, "workers": 1, "timeout_s": 5.0, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-        "learning_rate": 1e-2, "shared_prefix": shared, **over})
+        "shared_prefix": shared, **over})
     with monkeypatch.context() as m, tracking_store(runs["uri"]):
         scripted.install(m, policy.model, answer_for(policy), group=4)
         torch.manual_seed(0)
@@ -401,7 +409,9 @@ def test_vllm_rollouts_are_scored_with_the_shared_prefix(policy, runs, monkeypat
     """`--backend vllm`: TRL takes the old policy's log-probs of the engine's rollouts for its importance-sampling
     correction; with the shared prefix they agree with the engine's own to float error (a wrong computation would
     show as a gap), and the step ends where the plain path's ends (same seeded rollouts in both runs)."""
-    over = {"backend": "vllm", "max_steps": 1}
+    # the rollouts are the policy's own (the engine's, not scripted): ngram beside the outcome rewards, so that
+    # completions that differ get different rewards and the step has a gradient whatever the floats sample
+    over = {"backend": "vllm", "max_steps": 1, "rewards": ["execution", "format", "ngram"]}
     run, history, shared = run_grpo(policy, runs, "vllm", True, monkeypatch, **over)
     plain_run, plain_history, plain = run_grpo(policy, runs, "vllm", False, monkeypatch, **over)
     assert run.data.tags[shared_prefix.TAG].startswith("on: ") and run.data.params["backend"] == "vllm"
