@@ -25,7 +25,7 @@ import mlflow
 import pytest
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
-from test_vllm import adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
+from test_vllm import TIE, adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
 
 from slmsql import configs
 from slmsql.runtime import distributed
@@ -120,15 +120,28 @@ def _greedy_both(rollouts, trainer, prompts, new_tokens=24):
     model = trainer.accelerator.unwrap_model(trainer.model)
     was_training = model.training
     model.eval()
-    own = []
+    own, gaps = [], []
     with torch.no_grad():
-        for x in ids:
+        for x, theirs in zip(ids, engine):
             out = model.generate(input_ids=torch.tensor([list(x)]), attention_mask=torch.ones(1, len(x), dtype=int),
                                  do_sample=False, max_new_tokens=new_tokens, eos_token_id=stop,
-                                 pad_token_id=trainer.processing_class.pad_token_id)
-            own.append(out[0, len(x):].tolist())
+                                 pad_token_id=trainer.processing_class.pad_token_id, output_logits=True,
+                                 return_dict_in_generate=True)
+            mine = out.sequences[0, len(x):].tolist()
+            own.append(mine)
+            gaps.append(_parting_gap(mine, theirs, out.logits))
     model.train(was_training)
-    return engine, own
+    return engine, own, gaps
+
+
+def _parting_gap(own: list[int], engine: list[int], logits) -> float | None:
+    """Where the engine's greedy tokens leave the policy's own (None: they do not): how far the policy's logit
+    for its own token was above the engine's there, on the prefix both share. Two float paths of one model
+    (vLLM's kernels, transformers') can only part at a near-tie: a gap under TIE (tests/test_vllm.py)."""
+    for k, (a, b) in enumerate(zip(own, engine)):
+        if a != b:
+            return float(logits[k][0, a] - logits[k][0, b])
+    return None if len(own) == len(engine) else float("inf")  # one stopped where the other went on
 
 
 def _history(run_id, key):
@@ -142,11 +155,19 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     probes = []
     rollout = vllm_rollouts.Rollouts.__call__
 
-    digests = []
+    digests, served = [], []
 
     def probed(self, prompts, trainer):  # after TRL's sync for this step, before the rollout trains anything
+        import torch
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
         probes.append(_greedy_both(self, trainer, prompts[::4]))
-        digests.append(vllm_rollouts.lora_digest(trainer.accelerator.unwrap_model(trainer.model)))
+        digests.append(vllm_rollouts.lora_digest(model))
+        # the adapter handed to the engine for this step is the policy's LoRA as it is now, tensor for tensor
+        files, now = load_file(Path(self.lora.lora_path) / "adapter_model.safetensors"), get_peft_model_state_dict(model)
+        served.append(files.keys() == now.keys() and all(torch.equal(files[k], now[k].cpu()) for k in now))
         return rollout(self, prompts, trainer)
 
     monkeypatch.setattr(vllm_rollouts.Rollouts, "__call__", probed)
@@ -161,19 +182,22 @@ def test_rollouts_come_from_the_policy_of_each_step(mode, policy, adapter, tmp_p
     monkeypatch.setattr(vllm_rollouts.Rollouts, "close", checked_close)
     start = {} if mode == "fresh" else {"base_adapter": str(adapter), "adapter_mode": mode}
     steps = 4 if mode == "fresh" else 2
-    # ngram beside the outcome rewards: sampled completions that differ get different rewards, so every step has a
-    # gradient whatever this machine's floats make the policy answer (an all-alike band would leave the LoRA still)
+    # ngram beside the outcome rewards: sampled completions that differ get different rewards, so a step has a
+    # gradient whatever this machine's floats make the policy answer; and weight decay, which moves the LoRA at
+    # every update even where no group's rewards varied: the policy the engine must follow changes at every step
     cfg = grpo_cfg(policy, band_file(policy, tmp_path / "band.jsonl"), tmp_path / "out", backend="vllm",
                    learning_rate=0.05, lora_dropout=0.0, max_steps=steps, save_steps=steps,
-                   rewards=["execution", "format", "ngram"], **start)
+                   rewards=["execution", "format", "ngram"], trainer_args={"weight_decay": 0.1}, **start)
     assert grpo.main(cfg)["steps"] == steps
     assert len(probes) == steps and freed == [True]
-    for step, (engine, own) in enumerate(probes):
-        assert engine == own, f"step {step}: the engine's greedy answers are not the policy's"
-    # the policy moved in every mode (what the engine must follow), not only from a fresh LoRA
-    assert digests[0] != digests[-1], "the LoRA never changed: nothing for the engine to follow"
-    if mode == "fresh":  # the swap is real: the policy's answers moved, and the engine's with them
-        assert probes[-1][1] != probes[0][1]
+    for step, (engine, own, gaps) in enumerate(probes):
+        # the same greedy tokens but where a float near-tie parts the two paths of one model
+        parted = {i: g for i, g in enumerate(gaps) if g is not None}
+        assert all(g < TIE for g in parted.values()), \
+            f"step {step}: the engine's greedy answers part from the policy's where it was decisive: {parted}"
+    # the policy moved at every step (what the engine must follow), and each step's engine got it as it was then
+    assert len(set(digests)) == steps, "the LoRA did not change at every step: nothing for the engine to follow"
+    assert served == [True] * steps, "an engine served another adapter than the policy's at its step"
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert run.data.params["backend"] == "vllm" and run.data.params["vllm_version"]
     gap = _history(run.info.run_id, "sampling/sampling_logp_difference/max")
