@@ -245,7 +245,7 @@ def test_report_files_are_the_same_bytes_each_time(tmp_path):
     assert dense["diff"] == pytest.approx(1 / 12) and dense["verdict"] is None
     md = (tmp_path / "one" / "report.md").read_text()
     assert md.startswith("# a toy study\n\n**Question.** Does GRPO raise EX?")
-    assert "- **mdd_90pct_3_seeds**: 13.2 points" in md and "### cross" in md
+    assert "- **mdd_90pct_3_seeds**: 13.2 points" in md and "**cross**: n = " in md
     assert "| comparison | EX compared with | EX mean |" in md  # dev holds an arm-vs-arm row: each row's own base
     # provenance: which float path made which cell
     assert "2 float path(s), 1 code version(s)." in md
@@ -322,9 +322,9 @@ def test_the_generator_writes_each_studys_rows_and_keeps_the_typed_ones(tmp_path
         "| seed: typed | BIRD (149) | 36.9% → 36.2% | ±16 | 1.0 | no significant difference |",  # kept
         "| `studies/hand`: a toy study (grpo vs start) | dev (10) | 30.0% → 60.0% | +30.0 [−4.6, +64.6] | "
         "0.08 (family of 1) | no significant difference |",
-        # plan.readme [0, 2]: the first and third comparisons; records missing: no numbers, no verdict
-        *(f"| `studies/mixed`: {what} | dev (12) | — | — | — | records: 5 of 6 cells; rest missing |"
-          for what in ("a toy study (outcome vs start)", "same study (dense vs outcome)"))]
+        # records missing: one row for the study (its plan.readme chose 2 comparisons, both on dev), no numbers,
+        # no verdict
+        "| `studies/mixed`: a toy study | dev (12) | — | — | — | records: 5 of 6 cells; rest missing |"]
     assert text.startswith("# x\n\n<!-- generated:") and text.endswith("<!-- end generated -->\n\nafter\n")
     assert subprocess.run([*script, "--check"], capture_output=True, text=True).returncode == 0  # now in step
     assert readme.rewrite(text, readme.generated(tmp_path)) == text  # again: the same bytes

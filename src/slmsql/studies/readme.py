@@ -8,7 +8,7 @@ in place. A generated row is known by its first cell, which names its study's fo
 other row is typed and kept, above the generated ones.
 
 A study shows each of its declared comparisons, or those its plan lists under `readme` (comparison indexes or
-eval set names). A study with records missing shows no verdict and no numbers: its row says how many cells are
+eval set names). A study with records missing shows one row, no numbers and no verdict: how many of its cells are
 recorded.
 """
 
@@ -43,22 +43,21 @@ def rows(name: str, report: dict, where="report.json") -> list[str]:
     """A study's table rows: one per comparison shown."""
     shown = _shown(report, where)
     rec = report["records"]
-    incomplete = bool(report["missing"])
+    if report["missing"]:  # the study, not only a row: its claims wait for its records, in one row
+        sets = ", ".join(dict.fromkeys(f"{r['eval_set']} ({NONE if r['n'] is None else r['n']})" for r in shown))
+        start = "" if rec["start"] else ", no start record"
+        return [f"| `studies/{name}`: {report['title']} | {sets} | {NONE} | {NONE} | {NONE} | records: "
+                f"{rec['cells']} of {rec['declared']} cells{start}; rest missing |"]
     out = []
     for i, r in enumerate(shown):
         what = f"`studies/{name}`: {report['title'] if i == 0 else 'same study'} ({r['label']})"
         n = NONE if r["n"] is None else r["n"]
-        if incomplete:  # the study, not only this row: its claims wait for its records
-            start = "" if rec["start"] else ", no start record"
-            cells = [what, f"{r['eval_set']} ({n})", NONE, NONE, NONE,
-                     f"records: {rec['cells']} of {rec['declared']} cells{start}; rest missing"]
-        else:
-            p = f"Holm {pval(r['p_holm'])}" if report["comparisons"] > 1 else f"{pval(r['p'])} (family of 1)"
-            verdict = r["verdict"]
-            if r["seed_verdict"] is not None and r["seed_verdict"] != verdict:
-                verdict += f"; over seeds: {r['seed_verdict']}"
-            cells = [what, f"{r['eval_set']} ({n})", f"{pct(r['ex_b'])} → {pct(r['ex_mean'])}",
-                     f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}]", p, verdict]
+        p = f"Holm {pval(r['p_holm'])}" if report["comparisons"] > 1 else f"{pval(r['p'])} (family of 1)"
+        verdict = r["verdict"]
+        if r["seed_verdict"] is not None and r["seed_verdict"] != verdict:
+            verdict += f"; over seeds: {r['seed_verdict']}"
+        cells = [what, f"{r['eval_set']} ({n})", f"{pct(r['ex_b'])} → {pct(r['ex_mean'])}",
+                 f"{pts(r['diff'])} [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}]", p, verdict]
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return out
 

@@ -165,11 +165,11 @@ def markdown(report: dict) -> str:
     start = ", and the start" if rec["start"] else "; the start's record missing"
     lines = [f"# {r['title']}", "", f"**Question.** {r['question']}", "",
              f"Study `{r['study']}`: arms {', '.join(r['arms'])}; seeds {r['seeds']}; records: {rec['cells']} of "
-             f"{rec['declared']} cells{start}.", "", "## Plan", ""]
+             f"{rec['declared']} cells{start}.", "", "**Plan.**", ""]
     lines += [f"- **{k}**: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
               for k, v in r["plan"].items()] or ["(none declared)"]
-    lines += ["", "## Results", "",
-              f"Pooled test (a verdict for the seeds trained): {r['method']}; an arm against an arm: "
+    # no headings below the title: docs/studies.md includes the report under a section of its own
+    lines += ["", f"**Results.** Pooled test (a verdict for the seeds trained): {r['method']}; an arm against an arm: "
               f"{r['arm_method']}. Over seeds (a verdict for the method): {r['seed_method']}. p (Holm): "
               f"{r['adjustment']}; the verdict compares it with alpha = {r['alpha']}. EX sd / min-max: between seeds. "
               "A row with records missing has no verdict: its numbers are from the seeds present.", ""]
@@ -182,16 +182,16 @@ def markdown(report: dict) -> str:
         n = "n/a" if es["n"] is None else es["n"]
         # all against the start: its EX in the heading, as a sweep's table; else each row's own in a column
         arms = any(x["against"] != START for x in mine)
-        lines += [f"### {es['name']}", "", f"n = {n}; starting EX {pct(es['ex_b'])}.", "",
+        lines += [f"**{es['name']}**: n = {n}; starting EX {pct(es['ex_b'])}.", "",
                   *tables.pooled_table(mine, level, "comparison", lambda x: x["label"],
                                        "EX compared with" if arms else ""), "",
                   # the rows with something to show: a planned study's has none, and no table
                   *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family,
                                        "comparison", lambda x: x["label"])]
-    lines += ["## Missing records", ""]
+    lines += ["**Missing records.**", ""]
     lines += [f"- `{c}` ({_where(c)})" for c in r["missing"]] or ["None: every declared cell and the start have "
                                                                    "their record."]
-    lines += ["", "## Provenance", ""]
+    lines += ["", "**Provenance.**", ""]
     if r["start"] is not None:
         lines += [f"Start: fingerprint `{r['start']['fingerprint']}` (its policy and band; every cell's record names "
                   "the same).", ""]
