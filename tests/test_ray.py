@@ -38,6 +38,7 @@ import mlflow
 import psutil
 import pytest
 from ci_env import in_ci
+from neartie import DrawMargins, assert_greedy_same_but_near_ties
 from ports import start_serving
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
@@ -134,9 +135,25 @@ def lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def same_outputs(out: Path, ref: Path) -> None:
-    for name in FILES:
-        assert (out / name).read_text() == (ref / name).read_text(), name
+def same_outputs(out: Path, ref: Path, draws=None, seed: int = 0, k: int = 4) -> list[str]:
+    """The same files, but for questions one of whose samples drew within DRAW_TIE of an edge (tests/neartie.py:
+    Ray's actors run 1 thread on batches of 4, the local engine its threads on batches of 16, two float paths);
+    `draws` recorded the reference's draws. Returns the questions that parted; the summary, which counts every
+    question, is compared only where none did."""
+    from slmsql.runtime.seeds import sample_seed
+
+    rows, ref_rows = read(out / "passrates.jsonl"), read(ref / "passrates.jsonl")
+    assert [r["id"] for r in rows] == [r["id"] for r in ref_rows]
+    parted = [r["id"] for r, o in zip(rows, ref_rows) if r != o]
+    bad = [q for q in parted if draws is None or not any(draws.near_tie(sample_seed(seed, q, i)) for i in range(k))]
+    assert not bad, f"rows differ where no sample drew near an edge: {bad}"
+    for name in ("band.jsonl",):
+        keep = [[r for r in read(d / name) if r["id"] not in parted] for d in (out, ref)]
+        assert keep[0] == keep[1], name
+    if not parted:
+        for name in FILES:
+            assert (out / name).read_text() == (ref / name).read_text(), name
+    return parted
 
 
 @pytest.fixture(scope="module")
@@ -146,14 +163,15 @@ def reference(policy, tmp_path_factory):
     rows = read(policy.source)
     data = write(root / "source.jsonl", rows + [{**rows[0], "id": "no-db", "db_id": "no_such_db"}])
     uri = f"sqlite:///{root}/mlflow.db"
-    with tracking_store(uri):
+    with tracking_store(uri), pytest.MonkeyPatch.context() as mp:
+        draws = DrawMargins(mp)  # how near each of its draws came to an edge (same_outputs)
         summary = run_filter(policy, data, root / "out")
         _, run = the_run(uri)
     # Not `band > 0`: which buckets the policy's samples land in differs between machines, and Ray's actors
     # (other processes) cannot be pinned (tests/scripted.py); passrates.jsonl, compared whole, holds every
     # question's K statuses, whatever they are. The question without a database is an error on every machine.
     assert summary["buckets"]["errors"] == 1
-    return data, root / "out", stage_metrics(run)
+    return data, root / "out", stage_metrics(run), draws
 
 
 def stage_metrics(run) -> dict:
@@ -174,7 +192,7 @@ def session_processes(sid: int) -> list[psutil.Process]:
 
 @pytest.mark.slow
 def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path):
-    data, ref, ref_metrics = reference
+    data, ref, ref_metrics, draws = reference
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     heads = []
 
@@ -204,10 +222,11 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
         assert f"Connecting to existing Ray cluster at address: 127.0.0.1:{port}" in done.stderr
-        same_outputs(tmp_path / "out", ref)
+        parted = same_outputs(tmp_path / "out", ref, draws)
         client, run = the_run()
         assert run.info.status == "FINISHED" and run.data.params["engine"] == "ray"
-        assert stage_metrics(run) == ref_metrics and ref_metrics["data_check_success"] == 1.0
+        assert parted or stage_metrics(run) == ref_metrics
+        assert ref_metrics["data_check_success"] == 1.0
         assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= {
             f.path for f in client.list_artifacts(run.info.run_id)}
         # the cluster listens on loopback only
@@ -250,15 +269,32 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
 
     local = run(tmp_path / "local")
     on_ray = run(tmp_path / "ray", **RAY_OPTS)
-    assert on_ray == local  # EX, interval, per-difficulty, status rates (what EX is, is the policy's business)
-    predictions = [(tmp_path / d / "predictions.jsonl").read_text() for d in ("local", "ray")]
-    assert predictions[0] == predictions[1]
-    untimed = [[{k: v for k, v in r.items() if k != "pred_ms"} for r in read(tmp_path / d / "results.jsonl")]
+    # the same greedy answers but where a near-tie parts the two float paths (1 thread on batches of 4 on Ray,
+    # the local engine's threads on batches of 16: tests/neartie.py), judged on the model itself
+    preds = [{r["id"]: r for r in read(tmp_path / d / "predictions.jsonl")} for d in ("local", "ray")]
+    assert list(preds[0]) == list(preds[1])
+    parted = [i for i in preds[0] if preds[0][i] != preds[1][i]]
+    if parted:
+        from slmsql.generation import sampling as generation
+        from slmsql.inputs.data import read_gold
+        from slmsql.policy import models
+
+        cfg = configs.load(configs.EvaluateConfig, None, {"data": str(policy.dev), "db_root": str(policy.db_root),
+                                                          "model": str(policy.model), "max_new_tokens": 40,
+                                                          "output_dir": str(tmp_path / "prompts")})
+        lm, tok = models.load_model(cfg.model, None, device="cpu", dtype="float32")
+        examples = {e.id: e for e in read_gold(cfg.data)}
+        prompts = generation.prompts_for(cfg, [examples[i] for i in parted], tok)
+        assert_greedy_same_but_near_ties(lm, tok, prompts, [preds[0][i]["completion"] for i in parted],
+                                         [preds[1][i]["completion"] for i in parted], 40)
+    untimed = [{r["id"]: {k: v for k, v in r.items() if k != "pred_ms"} for r in read(tmp_path / d / "results.jsonl")}
                for d in ("local", "ray")]
-    assert untimed[0] == untimed[1] and len(untimed[0]) == 30
+    assert len(untimed[0]) == 30 and {i: r for i, r in untimed[0].items() if i not in parted} == \
+        {i: r for i, r in untimed[1].items() if i not in parted}
     client = mlflow.MlflowClient()
     runs = [client.search_runs([client.get_experiment_by_name(d).experiment_id])[0] for d in ("local", "ray")]
-    assert stage_metrics(runs[0]) == stage_metrics(runs[1])
+    if not parted:  # EX, interval, per-difficulty, status rates (what EX is, is the policy's business)
+        assert on_ray == local and stage_metrics(runs[0]) == stage_metrics(runs[1])
     assert [r.data.params["engine"] for r in runs] == ["local", "ray"]
     assert [r.data.tags["slmsql.dtype"] for r in runs] == ["float32", "float32"]  # Ray: as its actors report it
 
@@ -301,7 +337,7 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
     they are not the ones killed."""
     from slmsql.generation import engines
 
-    data, ref, ref_metrics = reference
+    data, ref, ref_metrics, draws = reference
     partial = tmp_path / "out.partial" / "passrates.jsonl"
     killed, at_kill, struck = {}, [], threading.Event()
     earlier = {p.pid for procs in _ray_children(("_Generate", "_Score")).values() for p in procs}
@@ -344,9 +380,9 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
     assert set(killed) == {"_Generate", "_Score"}, killed
     assert at_kill == [0] and not set(killed.values()) & earlier
     assert not any(psutil.pid_exists(pid) for pid in killed.values())
-    same_outputs(tmp_path / "out", ref)
+    parted = same_outputs(tmp_path / "out", ref, draws)
     _, run = the_run()
-    assert stage_metrics(run) == ref_metrics
+    assert parted or stage_metrics(run) == ref_metrics
     assert not left_holding(policy.db_root), "sandbox workers outlived their actors"
 
 
@@ -355,7 +391,7 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
     """`slmsql filter --engine ray` joins the shared Ray as its own driver process and is SIGKILLed right after
     its 5th row is written (tests/driver_faults.py: no polling race); the rerun keeps those rows (marked here),
     scores only the rest, continues the same MLflow run, and ends with the local engine's files."""
-    data, ref, ref_metrics = reference
+    data, ref, ref_metrics, draws = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial" / "passrates.jsonl"
     opts = {**filter_args(policy, data, out), **RAY_OPTS, "ray_address": local_ray}
     killed = killed_after(5, ["filter", *cli_args(opts)])
@@ -367,11 +403,10 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
     run_filter(policy, data, out, engine="ray")  # the shared Ray, as the default address finds it
     final = read(out / "passrates.jsonl")
     assert sorted(r["id"] for r in final if r.get("mark")) == sorted(r["id"] for r in rows)
-    assert [{k: v for k, v in r.items() if k != "mark"} for r in final] == read(ref / "passrates.jsonl")
-    for name in ("band.jsonl", "summary.json"):
-        assert (out / name).read_text() == (ref / name).read_text()
+    write(out / "passrates.jsonl", [{k: v for k, v in r.items() if k != "mark"} for r in final])
+    parted = same_outputs(out, ref, draws)
     _, run = the_run()  # one run: the rerun continued the killed driver's
-    assert run.info.status == "FINISHED" and stage_metrics(run) == ref_metrics
+    assert run.info.status == "FINISHED" and (parted or stage_metrics(run) == ref_metrics)
     assert not left_holding(policy.db_root), "sandbox workers outlived the killed driver's actors"
 
 
