@@ -16,6 +16,7 @@ every step and ended with the same adapter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -156,6 +157,19 @@ def lora_gap(a: dict, b: dict, part: str) -> float:
     return float(sum(((a[k] - b[k]) ** 2).sum() for k in keys).sqrt() / sum((b[k] ** 2).sum() for k in keys).sqrt())
 
 
+@contextlib.contextmanager
+def one_thread():
+    """This process on one thread, as each launched rank runs (OMP_NUM_THREADS=1 in `launch`): a thread count is
+    a float path, and the one-process run must compute each row as the ranks do (rows are sampled alone,
+    unpadded: tests/rowseeded.py, so batch shapes are not one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_same_adapter(two_ranks: Path, one_rank: Path):
     a, b = load_file(two_ranks / "adapter_model.safetensors"), load_file(one_rank / "adapter_model.safetensors")
     assert lora_gap(a, b, "lora_B") < 1e-3  # measured ~1e-5 (GRPO), ~1e-6 (SFT); other completions: ~1
@@ -185,9 +199,10 @@ def test_grpo_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tm
                      sample=rowseeded.row_seeded(GenerationMixin.generate, G))
     one = tmp_path / "grpo1"
     # the one process on TRL's plain path: the two ranks computed each prompt once (shared_prefix, the default)
-    grpo.main(configs.load(configs.GRPOStageConfig, None,
-                           {**grpo_options(policy, launched["data"], one, 2 * B), "workers": 1,
-                            "shared_prefix": False}))
+    with one_thread():
+        grpo.main(configs.load(configs.GRPOStageConfig, None,
+                               {**grpo_options(policy, launched["data"], one, 2 * B), "workers": 1,
+                                "shared_prefix": False}))
     [run] = launched["runs"]["mp-grpo"]
     assert run.data.tags["slmsql.shared_prefix"].startswith("on: ")
     two = launched["root"] / "grpo"
@@ -211,7 +226,8 @@ def test_sft_two_ranks_one_run_one_adapter(launched):
 @pytest.mark.slow
 def test_sft_two_ranks_match_one_rank_with_twice_the_batch(launched, policy, tmp_path):
     one = tmp_path / "sft1"
-    sft.main(configs.load(configs.SFTStageConfig, None, sft_options(policy, one, B)))
+    with one_thread():
+        sft.main(configs.load(configs.SFTStageConfig, None, sft_options(policy, one, B)))
     assert_same_adapter(launched["root"] / "sft", one)
 
 
