@@ -123,3 +123,60 @@ def test_a_stage_run_leaves_no_experiment_id_for_the_processes_started_after_it(
                           env={**os.environ, "MLFLOW_TRACKING_URI": other}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr[-2000:]
+
+
+FAKE_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_on_a_port_someone_took_is_started_again_on_another(monkeypatch):
+    """start_server(port=0): the port the OS handed out is taken before the server binds it, by a process that
+    answers /health too. That process is never taken for the server: it starts again on another port, and the
+    uri it returns is where its own process listens. (A stand-in server, not `mlflow server`: seconds, not tens.)"""
+    import socket
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from slmsql.tracking import runs as tracking
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    impostor = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    taken = impostor.server_address[1]
+    handed = iter([taken])  # the first port handed out is the impostor's; then the OS's own choice
+    real_socket = socket.socket
+
+    class Handing(real_socket):
+        def getsockname(self):
+            name = super().getsockname()
+            return (name[0], next(handed, name[1]))
+
+    monkeypatch.setattr(socket, "socket", Handing)
+    monkeypatch.setattr(tracking, "server_command", lambda host, port, store, artifacts:
+                        [sys.executable, "-c", FAKE_SERVER, str(port)])
+    try:
+        proc, uri = tracking.start_server(port=0, timeout_s=60)
+    finally:
+        monkeypatch.setattr(socket, "socket", real_socket)
+        impostor.shutdown()
+    try:
+        assert uri != f"http://127.0.0.1:{taken}" and tracking._listens(proc.pid, int(uri.rsplit(":", 1)[1]))
+    finally:
+        proc.kill()
+        proc.wait()

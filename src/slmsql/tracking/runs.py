@@ -402,33 +402,96 @@ def server_command(host: str, port: int, store, artifacts: Path) -> list[str]:
 
 def start_server(host="127.0.0.1", port=5000, store="mlflow-server.db", artifacts="mlartifacts",
                  timeout_s: float = 60, log_file=None):
-    """Start the server, wait until /health answers, return (process, uri). `port=0` picks a free port.
-    `store` is a SQLite file or a backend store URI (e.g. postgresql://user:pw@host:port/db)."""
+    """Start the server, wait until /health answers from the server's own process, return (process, uri).
+    `port=0` picks a free port: the OS hands one out and the server binds it a moment later, so another process
+    may take it in between; then the server is stopped and started again on another port (up to 4 times), and
+    never is someone else's server on that port taken for it. `store` is a SQLite file or a backend store URI
+    (e.g. postgresql://user:pw@host:port/db)."""
     import socket
     import subprocess
-    import time
-
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
 
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen(server_command(host, port, store, Path(artifacts)), env=env,
-                            stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    uri = f"http://{host}:{port}"
+    attempts = 4 if port == 0 else 1
+    for attempt in range(attempts):
+        chosen = port
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                chosen = s.getsockname()[1]
+        proc = subprocess.Popen(server_command(host, chosen, store, Path(artifacts)), env=env,
+                                stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        uri = f"http://{host}:{chosen}"
+        outcome = _wait_healthy(proc, chosen, uri, timeout_s)
+        if outcome == "up":
+            return proc, uri
+        _stop_tree(proc)
+        if outcome == "taken" and attempt + 1 < attempts:
+            continue
+        if outcome == "timeout":
+            raise SlmsqlError(f"mlflow server on {uri} did not become healthy within {timeout_s:.0f} s")
+        raise SlmsqlError(f"mlflow server could not listen on port {chosen}: another process has it"
+                          if outcome == "taken" else
+                          f"mlflow server exited with code {proc.returncode} (port {chosen} in use?)")
+
+
+def _wait_healthy(proc, port: int, uri: str, timeout_s: float) -> str:
+    """'up' (/health answers and the port listens in the server's own process tree), 'taken' (another process
+    listens on the port), 'exited' or 'timeout'."""
+    import time
+
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SlmsqlError(f"mlflow server exited with code {proc.returncode} (port {port} in use?)")
+        if proc.poll() is not None:  # it could not bind: taken if something else listens there
+            import socket
+            from urllib.parse import urlsplit
+
+            with socket.socket() as s:
+                s.settimeout(2)
+                return "taken" if s.connect_ex((urlsplit(uri).hostname, port)) == 0 else "exited"
         try:
             with urllib.request.urlopen(uri + "/health", timeout=2):
-                return proc, uri
+                pass
         except OSError:
             time.sleep(0.5)
-    proc.terminate()
-    raise SlmsqlError(f"mlflow server on {uri} did not become healthy within {timeout_s:.0f} s")
+            continue
+        if _listens(proc.pid, port):
+            return "up"
+        if proc.poll() is None:  # someone else answered: ours cannot bind, or will fail to
+            return "taken"
+    return "timeout"
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether `port` listens in process `pid` or one of its children (uvicorn's worker)."""
+    import psutil
+
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="tcp")):
+                return True
+    return False
+
+
+def _stop_tree(proc) -> None:
+    import psutil
+
+    for p in reversed(_tree(proc.pid)):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
 
 
 def runs_table(experiment: str = "slmsql", limit: int = 20) -> str:
