@@ -17,6 +17,7 @@ fails to start, or, worse, the test talks to someone else's server on that port.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -50,6 +51,17 @@ def tree(pid: int) -> list[psutil.Process]:
         return [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def session(sid: int) -> list[psutil.Process]:
+    """Every process of session `sid` (a server started with start_new_session=True and all it started, however
+    it daemonized them: Ray's head, for one)."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+    return out
 
 
 def owns_port(pid: int, port: int, members: Callable[[int], list[psutil.Process]] = tree) -> bool:

@@ -39,7 +39,7 @@ import psutil
 import pytest
 from ci_env import in_ci
 from neartie import DrawMargins, assert_greedy_same_but_near_ties
-from ports import start_serving
+from ports import session, start_serving
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
@@ -181,13 +181,7 @@ def stage_metrics(run) -> dict:
 
 # ---- a real cluster: `ray start --head` as its own process, on loopback ----------------------------------
 
-def session_processes(sid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getsid(p.pid) == sid:
-                out.append(p)
-    return out
+session_processes = session  # Ray's processes: the head's session
 
 
 @pytest.mark.slow

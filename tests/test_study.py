@@ -14,11 +14,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 from policy import policy_fixture  # noqa: F401  (the fixture)
+from ports import session, start_serving
 
 from slmsql import configs
 from slmsql.configs import StudyRunConfig
@@ -364,29 +365,41 @@ def test_a_study_split_over_two_clones_gives_what_one_run_gives(policy, tmp_path
 def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, tmp_path):
     root = clone(tmp_path / "r", policy)
     slmsql(root, "study", "run", "studies/s", "--cells", "start", "--report", "false")
-    port, temp = _port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths fit 107 bytes
-    head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
-         "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
-         "--disable-usage-stats", "--temp-dir", temp],
-        stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    heads = []
+
+    def start(port):
+        heads.append(subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
+             "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
+             "--disable-usage-stats", "--temp-dir", temp],
+            stdout=(tmp_path / "head.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        return heads[-1]
+
+    def answers(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and head.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            time.sleep(0.5)
-        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
+        # on a port the head's own processes listen on: started again on another if someone took it
+        head, port = start_serving(start, answers, timeout_s=120, describe=(tmp_path / "head.log").read_text,
+                                   members=session)
         out = slmsql(root, CELLS[1], "study", "run", "studies/s", "--ray-address", f"127.0.0.1:{port}",
                      script=HERE / "study_faults.py")
     finally:
-        head.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)
+        left = []
+        for h in heads:  # `ray start --block` stops its cluster on SIGTERM; then whatever of its session is left
+            h.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                h.wait(timeout=60)
+            for p in session(h.pid):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+                    left.append(p)
+        _, alive = psutil.wait_procs(left, timeout=60)
         shutil.rmtree(temp, ignore_errors=True)
+    assert head.returncode is not None and not alive, f"cluster processes left: {alive}"
     cell_dir = root / "outputs/studies/s/cells" / CELLS[1]
     dead_group = int((cell_dir / "killed-once").read_text())  # the first attempt did die mid-cell
     with pytest.raises(ProcessLookupError):  # and nothing it started is left running
@@ -402,8 +415,3 @@ def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, 
                                "g.value = 'grpo' WHERE r.status = 'FINISHED'").fetchall()
     assert sorted(v for (v,) in finished) == CELLS
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
