@@ -159,6 +159,23 @@ def test_a_bad_record_is_refused_by_name_and_nothing_is_lost(folder, tmp_path, c
     assert says[case] in out.stderr
 
 
+def test_a_pinned_start_whose_files_changed_is_refused_and_nothing_is_lost(folder, tmp_path):
+    s = spec.load(folder)
+    (s.pinned / "policy").mkdir(parents=True)
+    (s.pinned / "policy" / "model.safetensors").write_bytes(b"weights")
+    (s.pinned / "band.jsonl").write_text('{"id": "q1"}\n')
+    from slmsql.workflow.steps import code_version
+    fake_records(s, fingerprint=records.fingerprint(s.pinned / "policy", s.pinned / "band.jsonl")["fingerprint"],
+                 cells=s.cells()[:1], code=code_version())  # this code's: the start is what is refused
+    (s.pinned / "band.jsonl").write_text('{"id": "q2"}\n')  # the pinned band edited after the start was recorded
+    before = snapshot(folder)
+    out = cli("run", str(folder), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"{records.path_of(s, records.START)}: field 'start': the start pinned in" in out.stderr
+    assert "is not the one the study's records come from" in out.stderr and "Traceback" not in out.stderr
+    assert snapshot(folder) == before
+
+
 def test_new_code_pools_only_once_the_study_says_so(folder):
     s = spec.load(folder)
     fake_records(s, code="c0de")

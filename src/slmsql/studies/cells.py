@@ -96,7 +96,6 @@ def _eval(s: Steps, study: Study, name: str, loads: dict, band: str, tags: dict,
     return runs
 
 
-
 def _results(s: Steps, runs: dict) -> dict:
     return {name: records.results(read_jsonl(s.artifact(run, "results.jsonl"))) for name, run in runs.items()}
 
