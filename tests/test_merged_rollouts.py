@@ -1,4 +1,4 @@
-"""Merged rollouts (slmsql.generation.merged_rollouts): GRPO's rollouts sampled with the LoRA merged, training unchanged.
+"""Merged rollouts (slmsql.generation.merged_rollouts): rollouts sampled with the LoRA merged, training unchanged.
 
 Fast, on a small random model with a random LoRA (PEFT starts B at zero, where merged and unmerged are trivially
 one model): every weight is the same bits after a merged rollout, an exception included; the merged forward is the
@@ -155,7 +155,7 @@ def test_a_continued_adapter_is_a_lora_to_merge():
 
 # ---- in the trainer ------------------------------------------------------------------------------------------
 
-def trainer_for(tmp_path, shared: bool = True, on_state=None):
+def trainer_for(tmp_path, shared: bool = True, on_state=None, fresh: bool = False):
     """What `slmsql grpo --merged-rollouts true` builds on the tiny model (disable_dropout as the stage sets it; the
     LoRA's dropout 0.05, so TRL's zeroing of it is what keeps the rollouts exact)."""
     from datasets import Dataset
@@ -172,7 +172,8 @@ def trainer_for(tmp_path, shared: bool = True, on_state=None):
         model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=[lambda completions, **_: [0.0] * 4],
         args=args, train_dataset=Dataset.from_list([{"prompt": "q"}] * 4),
         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=lora(0.05))
-    randomize(trainer.model)
+    if not fresh:  # as after a step: PEFT's zero B would make merged and unmerged one model trivially
+        randomize(trainer.model)
     return trainer
 
 
@@ -216,7 +217,8 @@ def test_rollouts_run_merged_and_training_after_them_is_unchanged(tmp_path):
     assert {m for check, m, _ in calls if check} == {True, False}  # the gap: merged vs the training forward
     assert digest(model) == before
     (gap,) = trainer._metrics["train"][merged_rollouts.METRIC]
-    assert gap < GAP_TOL and heard and heard[0].startswith("on: rollouts sampled with the LoRA merged")
+    assert gap < GAP_TOL and len(heard) == 2 and heard[1].startswith("on: rollouts sampled with the LoRA merged, "
+                                                                     "log-probs within")
 
     after_merged = loss_and_grads(trainer, ids, mask, width)
     type(trainer).__mro__[1]._generate_single_turn(trainer, prompts, None, {}, 4)  # an unmerged rollout
@@ -227,7 +229,7 @@ def test_rollouts_run_merged_and_training_after_them_is_unchanged(tmp_path):
     assert any("lora_B" in n for n in start[1])
 
     trainer._generate_single_turn(prompts, None, {}, 4)
-    assert len(trainer._metrics["train"][merged_rollouts.METRIC]) == 1 and len(heard) == 1  # measured once
+    assert len(trainer._metrics["train"][merged_rollouts.METRIC]) == 1 and len(heard) == 2  # measured once
 
 
 def test_a_wrong_merge_stops_the_run_at_the_first_rollout(tmp_path, monkeypatch):
@@ -239,7 +241,21 @@ def test_a_wrong_merge_stops_the_run_at_the_first_rollout(tmp_path, monkeypatch)
     prompts = [p for p in rows(vocab, prompts=(9, 5), completions=(0, 0))[0] for _ in range(4)]
     with pytest.raises(SlmsqlError, match="merged_rollouts: the merged policy's log-probs are .* from the training"):
         trainer._generate_single_turn(prompts, None, {}, 4)
-    assert heard[0].startswith("stopped: ") and digest(trainer.model) == before
+    assert heard[-1].startswith("stopped: ") and digest(trainer.model) == before
+
+
+def test_a_fresh_lora_is_measured_at_its_first_rollout_after_it_moved(tmp_path):
+    heard = []
+    trainer = trainer_for(tmp_path, shared=False, on_state=heard.append, fresh=True)
+    vocab = trainer.model.config.vocab_size
+    prompts = [p for p in rows(vocab, prompts=(9, 5), completions=(0, 0))[0] for _ in range(4)]
+    trainer._generate_single_turn(prompts, None, {}, 4)
+    assert not trainer._metrics["train"][merged_rollouts.METRIC] and heard == [
+        "on: rollouts sampled with the LoRA merged (log-prob gap not measured yet: the LoRA is zero)"]
+    randomize(trainer.model)  # what the first optimizer step does to B
+    trainer._generate_single_turn(prompts, None, {}, 4)
+    (gap,) = trainer._metrics["train"][merged_rollouts.METRIC]
+    assert gap < GAP_TOL and heard[-1].startswith("on: rollouts sampled with the LoRA merged, log-probs within")
 
 
 def test_a_trainer_without_lora_is_refused(tmp_path):
@@ -292,7 +308,8 @@ def test_a_run_with_merged_rollouts_ends_with_the_same_adapter_to_the_bit(policy
     run, losses, weights = run_grpo(policy, tmp_path, True, monkeypatch)
     plain_run, plain_losses, plain = run_grpo(policy, tmp_path, False, monkeypatch)
     assert run.data.params["merged_rollouts"] == "true" and plain_run.data.params["merged_rollouts"] == "false"
-    assert run.data.tags[merged_rollouts.TAG].startswith("on: "), run.data.tags.get(merged_rollouts.TAG)
+    tag = run.data.tags[merged_rollouts.TAG]  # measured at step 1's rollout: the fresh LoRA moved at step 0
+    assert tag.startswith("on: rollouts sampled with the LoRA merged, log-probs within"), tag
     assert run.data.metrics[merged_rollouts.METRIC] < GAP_TOL
     assert merged_rollouts.TAG not in plain_run.data.tags and merged_rollouts.METRIC not in plain_run.data.metrics
     assert len(losses) == 2 and losses == plain_losses

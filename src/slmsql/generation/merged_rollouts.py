@@ -11,8 +11,9 @@ bit for bit. (PEFT's unmerge, W + s BA - s BA, is not the identity in floats.)
 
 What differs is sampling's float error: x (W + s BA) rounds at other points than x W + s (x A) B, so the logits
 differ by ~1e-6 in float32 and a draw at an edge of the cumulative distribution may go to the other token. The
-first rollout measures it (`gap`: the largest |log p| difference between the merged forward and the training one on
-the sampled completions), logs it as `rollout/merged_logprob_gap` and in the run's tag; over TOLERANCE the run stops.
+first rollout with a non-zero LoRA measures it (`gap`: the largest |log p| difference between the merged forward and
+the training one on the sampled completions; a fresh LoRA's B starts at zero, and W + 0 is W, so its first rollout
+is the next step's), logs it as `rollout/merged_logprob_gap` and in the run's tag; over TOLERANCE the run stops.
 Half-precision weights are refused: W + s BA rounded to bfloat16's 8 bits drops most of a young LoRA's update, so the
 rollouts would come from another policy.
 
@@ -135,6 +136,8 @@ def trainer_class(trainer_cls, on_state=None):
             super().__init__(*args, **kwargs)
             self._merged_layers = lora_layers(self.accelerator.unwrap_model(self.model))  # refused here, not later
             self._merged_gap = None
+            if on_state:
+                on_state("on: rollouts sampled with the LoRA merged (log-prob gap not measured yet: the LoRA is zero)")
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):
@@ -145,7 +148,8 @@ def trainer_class(trainer_cls, on_state=None):
             model = self.accelerator.unwrap_model(self.model)
             with merged(model, self._merged_layers):
                 completion_ids, logprobs = generate()
-            if self._merged_gap is None:
+            if self._merged_gap is None and any(bool(b.weight.any()) for layer in self._merged_layers
+                                                for b in layer.lora_B.values()):  # every process alike
                 self._first_gap(model, prompt_ids, completion_ids)
             return completion_ids, logprobs
 
