@@ -23,7 +23,9 @@ Merged rollouts beside the shared prefix (the same steps, only the rollouts' LoR
 the shared arm's seconds over the merged arm's, and the merged arm's first-rollout log-prob gap):
 
     flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py \
-        --arms shared,merged
+        --arms shared,merged --warmup 2
+
+(2 warm-up steps: a fresh LoRA's gap is measured at step 1's rollout.)
 
 The last printed line is JSON.
 """
