@@ -251,7 +251,7 @@ def test_a_fresh_lora_is_measured_at_its_first_rollout_after_it_moved(tmp_path):
     prompts = [p for p in rows(vocab, prompts=(9, 5), completions=(0, 0))[0] for _ in range(4)]
     trainer._generate_single_turn(prompts, None, {}, 4)
     assert not trainer._metrics["train"][merged_rollouts.METRIC] and heard == [
-        "on: rollouts sampled with the LoRA merged (log-prob gap not measured yet: the LoRA is zero)"]
+        "on: rollouts sampled with the LoRA merged (log-prob gap measured at the first rollout with a non-zero LoRA)"]
     randomize(trainer.model)  # what the first optimizer step does to B
     trainer._generate_single_turn(prompts, None, {}, 4)
     (gap,) = trainer._metrics["train"][merged_rollouts.METRIC]

@@ -127,7 +127,7 @@ def gap(model, prompts, completions, temperature: float, layers=None) -> float:
 
 def trainer_class(trainer_cls, on_state=None):
     """`trainer_cls` (GRPOTrainer, a subclass or a partial of one) whose transformers rollouts are sampled merged;
-    the first rollout's gap is logged, told to `on_state(text)` (the run's tag) and held to TOLERANCE."""
+    the first non-zero LoRA's gap is logged, told to `on_state(text)` (the run's tag) and held to TOLERANCE."""
     if isinstance(trainer_cls, functools.partial):
         return functools.partial(trainer_class(trainer_cls.func, on_state), *trainer_cls.args, **trainer_cls.keywords)
 
@@ -137,7 +137,8 @@ def trainer_class(trainer_cls, on_state=None):
             self._merged_layers = lora_layers(self.accelerator.unwrap_model(self.model))  # refused here, not later
             self._merged_gap = None
             if on_state:
-                on_state("on: rollouts sampled with the LoRA merged (log-prob gap not measured yet: the LoRA is zero)")
+                on_state("on: rollouts sampled with the LoRA merged (log-prob gap measured at the first rollout with a "
+                         "non-zero LoRA)")
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):
@@ -162,12 +163,12 @@ def trainer_class(trainer_cls, on_state=None):
             tolerance, name = TOLERANCE[dtype], str(dtype).removeprefix("torch.")
             if not value <= tolerance:  # NaN included
                 if on_state:
-                    on_state(f"stopped: log-probs {value:.3g} apart at the first rollout (tolerance {tolerance:g})")
+                    on_state(f"stopped: log-probs {value:.3g} apart (tolerance {tolerance:g})")
                 raise SlmsqlError(f"merged_rollouts: the merged policy's log-probs are {value:.3g} from the training "
-                                  f"forward's on the first rollout (tolerance {tolerance:g} in {name}): the merge is "
-                                  "not the policy; set merged_rollouts false")
+                                  f"forward's on the sampled completions (tolerance {tolerance:g} in {name}): the merge "
+                                  "is not the policy; set merged_rollouts false")
             if on_state:
                 on_state(f"on: rollouts sampled with the LoRA merged, log-probs within {value:.2g} of the training "
-                         f"forward at the first rollout (tolerance {tolerance:g} in {name})")
+                         f"forward (tolerance {tolerance:g} in {name})")
 
     return MergedRolloutsTrainer
