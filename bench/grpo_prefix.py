@@ -1,4 +1,5 @@
-"""GRPO seconds per step with the shared prefix on and off (`slmsql grpo --shared-prefix`), in one run, same work.
+"""GRPO seconds per step with the shared prefix on and off (`slmsql grpo --shared-prefix`), in one run, same work;
+and, as arm `merged`, the shared prefix with the rollouts sampled merged (`--merged-rollouts`).
 
 Model and shape: SmolLM2-135M-Instruct by its Hub id at the SmolLM2 study's GRPO (recipes/smollm2-135m/grpo.yaml:
 LoRA r16 all-linear, gradient checkpointing, G = 4, 2 prompts a step, 64-token budget, compact prompts) on the toy
@@ -17,6 +18,14 @@ decoded token) over this machine's measured fp32 GEMM rate at the same thread co
 (attention and everything else is left out).
 
     flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py
+
+Merged rollouts beside the shared prefix (the same steps, only the rollouts' LoRA merged; `merged_over_shared`:
+the shared arm's seconds over the merged arm's, and the merged arm's first-rollout log-prob gap):
+
+    flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py \
+        --arms shared,merged --warmup 2
+
+(2 warm-up steps: a fresh LoRA's gap is measured at step 1's rollout.)
 
 The last printed line is JSON.
 """
@@ -84,6 +93,17 @@ def floor_seconds(t: dict, arm: str, shape: dict, rate: float, checkpointing: bo
     return {"train": train / rate, "generate": generate / rate}
 
 
+def merged_gap() -> float | None:
+    """The last run's first-rollout log-prob gap, merged vs the training forward (rollout/merged_logprob_gap)."""
+    import mlflow
+
+    from slmsql.generation.merged_rollouts import METRIC
+
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list", order_by=["start_time DESC"],
+                                max_results=1)
+    return run.data.metrics.get(METRIC)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm")
@@ -93,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--prompt-style", default="", help="compact or omnisql (default: the recipe's)")
     ap.add_argument("--example-values", type=int, default=None, help="omnisql example values per column")
     ap.add_argument("--num-generations", type=int, default=0, help="G (default: the recipe's); 2 prompts a step")
-    ap.add_argument("--arms", default="shared,plain")
+    ap.add_argument("--arms", default="shared,plain", help="of shared, plain and merged (shared + merged rollouts)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -134,17 +154,20 @@ def main(argv=None):
               f"{args.warmup} warm-up + {args.steps} timed steps per arm", flush=True)
         for arm in arms:
             counter = Tokens()
-            r = run(arm, {**overrides, "shared_prefix": arm == "shared"}, args, root, inputs_hook=counter)
+            r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged"}, args, root,
+                    inputs_hook=counter)
+            if arm == "merged":
+                r["merged_logprob_gap"] = merged_gap()
             timed = counter.steps[args.warmup:]  # one micro-batch per step at gradient_accumulation_steps 1
             t = {k: round(statistics.median(s[k] for s in timed)) for k in timed[0]}
-            floor = floor_seconds(t, arm, shape, rate, checkpointing)
+            floor = floor_seconds(t, "plain" if arm == "plain" else "shared", shape, rate, checkpointing)
             r.update(tokens=t, floor_train_s=float(f"{floor['train']:.3g}"),
                      floor_generate_s=float(f"{floor['generate']:.3g}"))
             results[arm], tokens[arm] = r, t
             print(f"{arm:7s} step {r['step_s']:6.2f} s = generate {r['generate_s']:.2f} + score {r['score_s']:.2f} + "
                   f"train {r['train_s']:.2f}; floor: train {r['floor_train_s']:.2f}, generate "
                   f"{r['floor_generate_s']:.2f}; tokens/step: rows x width {t['plain']}, computed "
-                  f"{t['shared'] if arm == 'shared' else t['plain']}, prompt {t['prompt']} ({t['distinct_prompt']} "
+                  f"{t['plain'] if arm == 'plain' else t['shared']}, prompt {t['prompt']} ({t['distinct_prompt']} "
                   f"distinct), completion {t['completion']}", flush=True)
     out = {"model": cfg.model, "num_generations": cfg.num_generations, "prompt_style": cfg.prompt_style,
            "example_values": cfg.example_values, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -160,6 +183,12 @@ def main(argv=None):
         print(f"shared / plain: step {out['step_speedup']}x, train {out['train_speedup']}x, generate "
               f"{out['generate_speedup']}x; token ratio {out['token_ratio']}; shared train at "
               f"{out['shared_train_over_floor']}x its floor")
+    if {"shared", "merged"} <= set(results):
+        s, m = results["shared"], results["merged"]
+        out["merged_over_shared"] = {k: round(s[f"{k}_s"] / m[f"{k}_s"], 2) for k in ("step", "generate", "train")}
+        print(f"shared / merged: step {out['merged_over_shared']['step']}x, generate "
+              f"{out['merged_over_shared']['generate']}x, train {out['merged_over_shared']['train']}x; merged "
+              f"rollouts' log-prob gap {m['merged_logprob_gap']}")
     print(json.dumps(out))
     return out
 

@@ -198,6 +198,23 @@ def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
         quotient(fig[f"{key}_speedup"], plain[f"{key}_s"], shared[f"{key}_s"], 2, 3, 3)
 
 
+@pytest.mark.slow  # trains a tiny model 3 steps on each arm
+def test_grpo_prefix_bench_times_merged_rollouts_beside_the_shared_prefix(tmp_path):
+    from slmsql.toy.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=32, layers=1, heads=2, ffn=64)
+    fig = run_bench("grpo_prefix.py", "--model", str(model), "--steps", "1", "--warmup", "2", "--num-generations", "2",
+                    "--arms", "shared,merged")
+    assert set(fig["arms"]) == {"shared", "merged"} and "step_speedup" not in fig
+    shared, merged = fig["arms"]["shared"], fig["arms"]["merged"]
+    # measured once the LoRA moved (the untrained tiny model's rewards may all be equal: then B stays zero, no figure)
+    assert merged["merged_logprob_gap"] in (None, pytest.approx(0, abs=1e-4)) and "merged_logprob_gap" not in shared
+    assert merged["tokens"]["shared"] < merged["tokens"]["plain"]  # the merged arm trains with the shared prefix
+    for key in ("step", "train", "generate"):  # shared over merged, as reported
+        quotient(fig["merged_over_shared"][key], shared[f"{key}_s"], merged[f"{key}_s"], 2, 3, 3)
+
+
 @pytest.mark.slow  # trains a step on each arm
 def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
     """The GPU check's `shared` arm is the recipe arm with the shared-prefix trainer (what the grpo stage builds)."""

@@ -269,6 +269,10 @@ class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt,
     shared_prefix: bool = opt(True, "Compute each distinct prompt of a micro-batch once in training (its completions "
                               "attend to it; exact, checked against the plain path at the first step) and prefill it "
                               "once in generation. false: TRL's plain path, every prompt forwarded G times.")
+    merged_rollouts: bool = opt(False, "Sample the transformers rollouts with the LoRA merged into the base weights "
+                                "(fewer matmuls a decode step), the base tensors restored untouched after: training "
+                                "is unchanged bit for bit, sampling differs by float error (the first rollout's "
+                                "log-prob gap is logged). float32 LoRA only; not with --backend vllm.")
     advantage_gate: str = opt("none", "correctness: a group whose completions are all correct or all wrong gets "
                               "advantage 0, whatever its shaped rewards (none: TRL's advantages).",
                               choices=("none", "correctness"))

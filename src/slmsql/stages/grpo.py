@@ -34,13 +34,14 @@ DROPOUT_ON = ("trainer_args disable_dropout=false: GRPO trains with dropout off 
 
 
 def check_args(cfg: GRPOStageConfig, examples) -> None:
-    from slmsql.generation import vllm_rollouts
+    from slmsql.generation import merged_rollouts, vllm_rollouts
     from slmsql.rewards.registry import check
     from slmsql.runtime import distributed
     from slmsql.training import grpo_variants
 
     check(cfg.rewards, cfg.reward_weights)
     grpo_variants.check(cfg, world_size=distributed.world_size())
+    merged_rollouts.check(cfg)
     vllm_rollouts.check(cfg, world_size=distributed.world_size())
     if "disable_dropout" in cfg.trainer_args and not cfg.trainer_args["disable_dropout"]:
         raise SlmsqlError(DROPOUT_ON)
@@ -96,7 +97,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from slmsql.generation import shared_prefix, vllm_engine, vllm_rollouts
+    from slmsql.generation import merged_rollouts, shared_prefix, vllm_engine, vllm_rollouts
     from slmsql.policy.resolve import Policy
     from slmsql.rewards import registry as rewards
     from slmsql.runtime import distributed
@@ -161,6 +162,9 @@ def main(cfg: GRPOStageConfig) -> dict:
         if cfg.shared_prefix:
             Trainer = shared_prefix.trainer_class(
                 Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix.TAG, text)) if main else None)
+        if cfg.merged_rollouts:  # rollouts sampled with the LoRA merged, the base tensors put back after
+            Trainer = merged_rollouts.trainer_class(
+                Trainer, on_state=(lambda text: outbox.set_tag(merged_rollouts.TAG, text)) if main else None)
         # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_rollouts)
         Trainer = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,

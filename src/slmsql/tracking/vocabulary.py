@@ -95,6 +95,10 @@ VOCABULARY = [
     ("rollout/policy_step", ("grpo",),
      "`--backend vllm`: the trainer step whose LoRA the engine sampled this step's rollouts with, read from the "
      "adapter vLLM's outputs name; the run stops if it is not the policy's current step and weights"),
+    ("rollout/merged_logprob_gap", ("grpo",),
+     "`--merged-rollouts`, at the first rollout with a non-zero LoRA (a fresh one's: the second step's): the "
+     "largest |log-prob, LoRA merged - the training forward's| over the sampled completions' tokens, dropout off; "
+     "over the tolerance (1e-3 in float32) the run stops (tag `slmsql.merged_rollouts`)"),
     ("sampling/sampling_logp_difference/mean", ("grpo",),
      "`--backend vllm`, per step: mean over the sampled tokens of |log-prob under the policy being trained - "
      "log-prob the vLLM engine sampled it with| (TRL's; 0 up to float error when the engine serves that policy)"),
