@@ -110,6 +110,34 @@ def test_a_bad_declaration_is_refused_in_process_naming_file_line_and_key(folder
     assert says in str(e.value)
 
 
+def test_the_start_sft_reads_the_studys_databases_and_may_not_name_others(folder, tmp_path):
+    """One db_root per study: the SFT data's schemas come from it as the band's and the eval sets' do (a study on
+    another world than outputs/toy must not have its SFT look for databases there)."""
+    from slmsql.studies import cells
+    path = folder / "study.yaml"
+    text = path.read_text().replace(f"  adapter: {tmp_path / 'model'}", "  sft: {max_steps: 3}")
+    path.write_text(text)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Steps:  # the stage runner, stopped at the first step: what the start's SFT is asked to do
+        out = tmp_path / "out"
+
+        def run(self, stage, name, **kw):
+            seen[stage] = kw
+            raise Stop
+
+    with pytest.raises(Stop):
+        cells.start(spec.load(folder), Steps(), None)
+    assert Path(seen["sft"]["db_root"]) == Path(spec.load(folder).db_root).resolve()
+    path.write_text(text.replace("sft: {max_steps: 3}", "sft: {max_steps: 3, db_root: elsewhere}"))
+    with pytest.raises(DataError, match="set by the study itself") as e:
+        spec.load(folder)
+    assert e.value.field == "start.sft.db_root"
+
+
 def test_an_unknown_key_is_refused_from_the_command_line_before_anything_runs(folder, tmp_path):
     path = folder / "study.yaml"
     path.write_text(path.read_text() + "budgett: {cell_minutes: 3}\n")

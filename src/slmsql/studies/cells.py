@@ -125,7 +125,8 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
         made = {}
         if study.sft is not None:
             made["sft"] = s.run("sft", "start sft", tags=tags, output_dir=str(s.out / "start" / "sft"),
-                                **_section("sft", study.sft), model=_path(study.model))
+                                **_section("sft", study.sft), model=_path(study.model),
+                                db_root=project_path(study.db_root))  # its data's schemas are the study's databases
             policy = s.artifact(made["sft"], "policy")
         else:
             policy = study.adapter

@@ -43,7 +43,7 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 STEP = ("output_dir", "overwrite", "experiment", "run_name", "resume")  # where a step writes: the study's
 # per section: its stage config and the fields the study sets itself (refused in the file)
 SECTIONS = {
-    "sft": (SFTStageConfig, STEP + ("model", "base_adapter", "seed")),
+    "sft": (SFTStageConfig, STEP + ("model", "base_adapter", "seed", "db_root")),  # the study's one db_root
     "band": (FilterConfig, STEP + ("model", "adapter", "db_root")),
     "grpo": (GRPOStageConfig, tuple(configs.SWEEP_OWNED)),
     "evaluate": (EvaluateConfig, STEP + ("model", "adapter", "data", "db_root", "dataset_name", "baseline_run",
