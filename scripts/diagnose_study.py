@@ -18,7 +18,8 @@ every cell:
     steps: a reward that favours longer SQL shows here first);
 and once: the headroom GRPO can reach (with --passrates, the filter's K samples of the start): of the questions
 the start gets wrong greedily on each eval set that the filter sampled, how many any sample got right.
-Prints markdown tables; the last line is JSON.
+Prints markdown tables; the last line is JSON. The training-log figures, the draws and the turned counts are
+`slmsql.studies.diagnosis`'s: a study's cell records keep the same figures, and its report the same counts.
 """
 
 from __future__ import annotations
@@ -31,15 +32,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean
 
+from slmsql.studies import diagnosis
+
 
 def rows(path: Path) -> dict[str, dict]:
     return {r["id"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
-
-
-def curve(grpo: Path) -> list[dict]:
-    """The training log of a GRPO run: its last checkpoint's trainer_state.json."""
-    ckpts = sorted(grpo.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    return json.loads(ckpts[-1].read_text())["log_history"] if ckpts else []
 
 
 def lora_delta(adapter: Path) -> dict:
@@ -83,29 +80,14 @@ def movement(adapter: Path, start: Path | None, base: str) -> float:
     return math.sqrt(num / sum(float(w[k].pow(2).sum()) for k in d))
 
 
-def draws(grpo: Path, rl: dict[str, dict]) -> Counter:
-    """How many steps drew each RL question: steps whose logged prompts (`grpo/completions/*.parquet`, one file a
-    step, a prompt once per completion of its group) hold its question text. Questions never drawn are absent."""
-    import pandas as pd
-    steps = defaultdict(set)  # question text -> steps
-    for f in grpo.glob("completions/*.parquet"):
-        df = pd.read_parquet(f)
-        for step, prompt in zip(df["step"] if "step" in df else [f.stem] * len(df), df["prompt"]):
-            for q in re.findall(r"^Question: (.*)$", prompt[-1]["content"], flags=re.M):
-                steps[q].add(step)
-    return Counter({qid: len(steps[r["question"]]) for qid, r in rl.items() if steps.get(r["question"])})
-
-
 def flips(start: dict, cell: dict, only: set | None = None) -> dict:
-    by = defaultdict(lambda: [0, 0])
+    by = defaultdict(dict)  # difficulty -> {question id: correct}
     for qid, r in cell.items():
-        if only is not None and qid not in only:
-            continue
-        was = start[qid]["correct"]
-        if was != r["correct"]:
-            by[r.get("difficulty", "all")][0 if r["correct"] else 1] += 1
-    right, wrong = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
-    return {"turned_right": right, "turned_wrong": wrong, "by_difficulty": {k: tuple(v) for k, v in sorted(by.items())}}
+        if only is None or qid in only:
+            by[r.get("difficulty", "all")][qid] = r["correct"]
+    split = {k: diagnosis.turned({q: start[q]["correct"] for q in v}, v) for k, v in sorted(by.items())}
+    return {"turned_right": sum(r for r, _ in split.values()), "turned_wrong": sum(w for _, w in split.values()),
+            "by_difficulty": {k: v for k, v in split.items() if v != (0, 0)}}
 
 
 def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, base: str | None,
@@ -113,25 +95,16 @@ def diagnose(sweep: Path, passrates: Path | None, start_adapter: Path | None, ba
     starts = {d.name: rows(d / "results.jsonl") for d in sorted((sweep / "baseline").iterdir())
               if (d / "results.jsonl").is_file()}
     cells = []
+    rl = rows(rl_data) if rl_data else {}
     for seed_dir in sorted((sweep / "cells").glob("*/seed-*")):
-        log = [h for h in curve(seed_dir / "grpo") if "exec/correct" in h]
-        c = {"variant": seed_dir.parent.name, "seed": int(seed_dir.name.split("-")[1])}
-        if log:
-            c["pass_first10"] = mean(h["exec/correct"] for h in log[:10])
-            c["pass_last10"] = mean(h["exec/correct"] for h in log[-10:])
-            c["groups_vary"] = mean(h["exec/frac_groups_correctness_varies"] for h in log)
-            c["zero_std"] = mean(h["frac_reward_zero_std"] for h in log)
-            if "completions/clipped_ratio" in log[0]:  # completions cut at the token budget (TRL's metric)
-                c["cut_first10"] = mean(h["completions/clipped_ratio"] for h in log[:10])
-                c["cut_last10"] = mean(h["completions/clipped_ratio"] for h in log[-10:])
+        times = diagnosis.draws(seed_dir / "grpo", rl) if rl else Counter()
+        figures = {**diagnosis.training(diagnosis.log_history(seed_dir / "grpo")), **diagnosis.draw_range(times, rl)}
+        c = {"variant": seed_dir.parent.name, "seed": int(seed_dir.name.split("-")[1]),
+             **{k: v for k, v in figures.items() if v is not None}}  # a figure its files lack: n/a in the table
         if base and (seed_dir / "grpo" / "adapter" / "adapter_config.json").is_file():
             c["lora_movement"] = movement(seed_dir / "grpo" / "adapter", start_adapter, base)
         c["flips"] = {}
-        rl = rows(rl_data) if rl_data else {}
-        times = draws(seed_dir / "grpo", rl) if rl else Counter()
         trained = set(times)
-        if rl:  # how often the run drew each question of the RL data (0 for those it never drew)
-            c["draws_min"], c["draws_max"] = min(times[q] for q in rl), max(times[q] for q in rl)
         for ev in sorted(seed_dir.glob("eval-*/results.jsonl")):
             name = ev.parent.name[len("eval-"):]
             if name in starts:
