@@ -8,6 +8,7 @@ that is killed and rerun."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -25,7 +27,7 @@ from slmsql import configs
 from slmsql.configs import StudyRunConfig
 from slmsql.errors import DataError
 from slmsql.stages import study as stage
-from slmsql.studies import records, spec
+from slmsql.studies import cells, diagnosis, records, spec
 
 YAML = """\
 question: Does it work?
@@ -246,6 +248,78 @@ def test_a_record_is_written_once(folder):
     records.write(s, {**rec, "metrics": {"x": 2}})  # a retried task finishing too: the first record stands
     assert records.path_of(s, "a-seed0").read_bytes() == first
     assert not list(s.records.glob(".*.tmp"))
+
+
+def test_a_records_diagnosis_is_optional_and_checked_when_there(folder):
+    s = spec.load(folder)
+    fake_records(s)  # made as older code made them: no diagnosis, and read all the same
+    assert all("diagnosis" not in rec for rec in records.read(s)[1].values())
+    path = records.path_of(s, "a-seed1")
+    rec = json.loads(path.read_text())
+    good = dict.fromkeys(diagnosis.KEYS, None) | {"logged_steps": 20, "pass_first10": 0.25}
+    path.write_text(json.dumps({**rec, "diagnosis": good}))
+    assert records.read(s)[1]["a-seed1"]["diagnosis"] == good
+    for bad, where in (({**good, "zero_std": "25%"}, "field 'diagnosis.zero_std': corrupt record: expected a "
+                                                      "number or null, got '25%'"),
+                       ({**good, "pass_first10": True}, "field 'diagnosis.pass_first10'"),
+                       ({k: v for k, v in good.items() if k != "draws_min"}, "field 'diagnosis': corrupt record"),
+                       ({**good, "lora": 1.0}, "field 'diagnosis': corrupt record")):
+        path.write_text(json.dumps({**rec, "diagnosis": bad}))
+        with pytest.raises(DataError, match=f"^{re.escape(str(path))}: {re.escape(where)}"):
+            records.read(s)
+
+
+class FakeSteps:
+    """`workflow.Steps` without MLflow: a GRPO step writes what TRL leaves in its output folder (a checkpoint's
+    training log, the logged prompts), an evaluation's results say q0 and q1 right."""
+
+    def __init__(self, out: Path, log: list, drawn: list):
+        from slmsql.workflow.steps import code_version
+
+        self.out, self.version, self.log, self.drawn = out, code_version(), log, drawn
+
+    def run(self, stage, name, tags=None, **params):
+        import pandas as pd
+
+        if stage == "grpo":
+            grpo = Path(params["output_dir"])
+            (grpo / "checkpoint-2").mkdir(parents=True)
+            (grpo / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"log_history": self.log}))
+            (grpo / "completions").mkdir()
+            prompt = lambda q: [{"role": "user", "content": f"Database schema:\n...\n\nQuestion: {q}\n"}]  # noqa: E731
+            pd.DataFrame({"step": range(1, len(self.drawn) + 1), "prompt": [prompt(q) for q in self.drawn]}).to_parquet(
+                grpo / "completions" / "completions_00001.parquet")
+        return SimpleNamespace(info=SimpleNamespace(run_id=f"{stage}-{name}"), data=SimpleNamespace(metrics={}))
+
+    def uri(self, run, path):
+        return f"runs:/{run.info.run_id}/{path}"
+
+    def artifact(self, run, path):
+        out = self.out / run.info.run_id / path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps({"id": f"q{i}", "correct": i < 2, "predicted_sql": "SELECT 1"}) + "\n"
+                               for i in range(6)))
+        return str(out)
+
+
+def test_a_cell_records_the_diagnosis_of_its_grpo_runs_training_log(folder, tmp_path):
+    """The wiring of `study run` (no training): a cell's record carries what studies/diagnosis.py reads from the
+    folder its GRPO step wrote, the band's questions counted in its logged prompts."""
+    s = spec.load(folder)
+    band = tmp_path / "band.jsonl"
+    band.write_text("".join(json.dumps({"id": f"b{i}", "question": q}) + "\n" for i, q in enumerate(["x?", "y?"])))
+    log = [{"exec/correct": c, "frac_reward_zero_std": 0.5, "completions/clipped_ratio": 0.0}
+           for c in [0.0] * 10 + [1.0] * 10] + [{"train_runtime": 1.0}]
+    steps = FakeSteps(tmp_path / "work", log, drawn=["x?", "x?", "y?"])
+    start = records.make(s, records.START, config=s.start_config(), start={"fingerprint": "f" * 64},
+                         code_version=steps.version, results={}, metrics={}, runs={})
+    rec = cells.cell(s, steps, s.cells()[0], cells.Start(str(folder.parent.parent / "model"), str(band), start))
+    assert rec["diagnosis"] == {"logged_steps": 20, "pass_first10": 0.0, "pass_last10": 1.0, "groups_vary": None,
+                                "zero_std": 0.5, "cut_first10": 0.0, "cut_last10": 0.0, "draws_min": 1,
+                                "draws_max": 2}
+    records.write(s, start)
+    records.write(s, rec)
+    assert records.read(s)[1]["a-seed0"]["diagnosis"] == rec["diagnosis"]  # what it writes, it reads back
 
 
 def test_the_fingerprint_is_of_the_weights_and_the_band(tmp_path):

@@ -18,7 +18,7 @@ from slmsql import configs
 from slmsql.configs import GRPOStageConfig
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import read_jsonl
-from slmsql.studies import records, spec
+from slmsql.studies import diagnosis, records, spec
 from slmsql.studies.spec import BAND, SECTIONS, Cell, Study
 from slmsql.workflow.steps import Steps, code_version, project_path, use_this_cli
 
@@ -183,6 +183,11 @@ def cell(study: Study, s: Steps, c: Cell, st: Start) -> dict:
     res = _results(s, evals)
     metrics = {**{k: v for k, v in grpo.data.metrics.items() if k in GRPOStageConfig.key_metrics},
                **{f"{k}/ex": sum(x for x, _ in v.values()) / max(len(v), 1) for k, v in res.items()}}
+    # why it gained or did not, from the files its GRPO step left in its output folder (a step reused from this
+    # store wrote the same folder)
+    why = diagnosis.of_run(out / "grpo", {str(r["id"]): r for r in read_jsonl(st.band)})
+    if not why["logged_steps"]:
+        log.warning("cell %s: no training log in %s: its diagnosis is empty", c.id, out / "grpo")
     return records.make(study, c.id, config=study.cell_config(c), start=st.record["start"], code_version=s.version,
-                        results=res, metrics=metrics, arm=c.arm, seed=c.seed,
+                        results=res, metrics=metrics, arm=c.arm, seed=c.seed, diagnosis=why,
                         runs={"grpo_run": grpo.info.run_id, "eval_runs": {k: r.info.run_id for k, r in evals.items()}})

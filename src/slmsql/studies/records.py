@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from slmsql.errors import DataError
+from slmsql.studies import diagnosis
 from slmsql.studies.spec import Cell, Study
 
 SCHEMA = "slmsql.study-record/1"
@@ -67,10 +68,11 @@ def results(rows) -> dict:
 
 
 def make(study: Study, cell: str, *, config: dict, start: dict, code_version: str, results: dict, metrics: dict,
-         runs: dict, arm=None, seed=None) -> dict:
+         runs: dict, arm=None, seed=None, diagnosis: dict | None = None) -> dict:
+    """A record; a cell's carries its GRPO run's `diagnosis` (studies/diagnosis.py), the start's none."""
     return {"schema": SCHEMA, "study": study.name, "cell": cell, "arm": arm, "seed": seed, "config": config,
             "start": start, "code_version": code_version, "float_path": float_path(), "results": results,
-            "metrics": metrics, "mlflow": runs,
+            "metrics": metrics, "mlflow": runs, **({"diagnosis": diagnosis} if diagnosis is not None else {}),
             "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
@@ -119,7 +121,18 @@ def _read(path: Path, study: Study, cell: str) -> dict:
                                         for x in v.values()) for v in rec["results"].values()):
         raise DataError("corrupt record: expected {eval set: {question id: [correct, sql hash]}}", path,
                         field="results")
+    if "diagnosis" in rec:  # optional: records from before it have none, and the report says "not recorded"
+        _check_diagnosis(rec["diagnosis"], path)
     return rec
+
+
+def _check_diagnosis(d, path: Path) -> None:
+    if not isinstance(d, dict) or set(d) != set(diagnosis.KEYS):
+        raise DataError(f"corrupt record: expected an object of {list(diagnosis.KEYS)}", path, field="diagnosis")
+    for key, value in d.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DataError(f"corrupt record: expected a number or null, got {value!r}", path,
+                            field=f"diagnosis.{key}")
 
 
 def _differs(want: dict, got: dict) -> str:
