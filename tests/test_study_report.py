@@ -14,7 +14,7 @@ from scipy.stats import t as student_t
 from slmsql.configs import Variant
 from slmsql.errors import DataError
 from slmsql.stages import sweep
-from slmsql.studies import readme, report
+from slmsql.studies import diagnosis, readme, report
 
 ROOT = Path(__file__).parents[1]
 T_975 = {2: 4.303, 9: 2.262}  # Student's t, 97.5% quantile, from the printed table (df 2, 9)
@@ -214,12 +214,58 @@ def test_a_cell_that_scored_other_questions_is_refused_by_name():
         report.build(study(["grpo"], [0, 1]), start, [cell("grpo", 7, {"dev": right(4)})])
 
 
+def diag(**figures) -> dict:
+    """A record's diagnosis (studies/diagnosis.py): 20 logged steps, the figures given, the rest not in its log."""
+    return {**dict.fromkeys(diagnosis.KEYS), "logged_steps": 20, **figures}
+
+
+def diagnosed(arm: str, seed: int, results: dict, **figures) -> dict:
+    return {**cell(arm, seed, results), "diagnosis": diag(**figures)}
+
+
+def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_against_the_start():
+    """8 questions, the start right on q0-q3. Arm a: both seeds diagnosed; seed 0 right on q2-q5 (turned right q4,
+    q5; wrong q0, q1), seed 1 on q0-q6 (right q4-q6): 2.5 / 1.0. Arm b: seed 1's record from before the diagnosis
+    (its figures are seed 0's alone; its answers still count: seed 1 turned q3 wrong). Arm c: no diagnosis at all;
+    all wrong then all right: 2.0 / 2.0. Arm d: no record."""
+    start = start_record({"dev": right(8, 0, 1, 2, 3)})
+    cells = [diagnosed("a", 0, {"dev": right(8, 2, 3, 4, 5)}, pass_first10=0.1, pass_last10=0.5, groups_vary=0.5,
+                       zero_std=0.2, cut_first10=0.5, cut_last10=0.0, draws_min=2, draws_max=3),
+             diagnosed("a", 1, {"dev": right(8, *range(7))}, pass_first10=0.3, pass_last10=0.7, groups_vary=0.7,
+                       zero_std=0.4, draws_min=3, draws_max=4),  # a log without clipped_ratio
+             diagnosed("b", 0, {"dev": right(8, 0, 1, 2, 3)}, pass_first10=0.4, pass_last10=0.4),
+             cell("b", 1, {"dev": right(8, 0, 1, 2)}),
+             cell("c", 0, {"dev": right(8)}), cell("c", 1, {"dev": right(8, *range(8))})]
+    rep = report.build(study(["a", "b", "c", "d"], [0, 1]), start, cells)
+    a, b, c, d = rep["diagnosis"]
+    assert a == {"arm": "a", "seeds": [0, 1], "diagnosed": [0, 1], "logged_steps": 20, "pass_first10": 0.2,
+                 "pass_last10": 0.6, "groups_vary": 0.6, "zero_std": pytest.approx(0.3), "cut_first10": 0.5,
+                 "cut_last10": 0.0, "draws_min": 2, "draws_max": 4, "turned": {"dev": {"right": 2.5, "wrong": 1.0}}}
+    assert (b["diagnosed"], b["pass_first10"], b["groups_vary"], b["turned"]) == ([0], 0.4, None,
+                                                                                   {"dev": {"right": 0, "wrong": 0.5}})
+    assert (c["diagnosed"], c["pass_first10"], c["draws_min"], c["turned"]) == ([], None, None,
+                                                                                 {"dev": {"right": 2, "wrong": 2}})
+    assert (d["seeds"], d["turned"]) == ([], {"dev": None})
+    md = report.markdown(rep)
+    assert ("| arm | seeds | train pass rate, first -> last 10 steps | groups varying | zero reward std | cut at the "
+            "token budget, first -> last 10 | draws per band question | dev: turned right / wrong |\n") in md
+    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | 2.5 / 1.0 |\n" in md
+    assert "| b | 0, 1 (diagnosis not recorded: 1) | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | 0.0 / 0.5 |\n" in md
+    assert "| c | 0, 1 |" + " not recorded |" * 5 + " 2.0 / 2.0 |\n" in md
+    assert "| d | none recorded |" + " n/a |" * 6 + "\n" in md
+    # without the start's record nothing is turned against it
+    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | n/a |\n" in report.markdown(
+        report.build(study(["a", "b", "c", "d"], [0, 1]), None, cells))
+
+
 # ---- the files -------------------------------------------------------------------------------------------------
 
 def _mixed():
-    """A complete arm and one with a record missing, their cells from two float paths, two eval sets."""
+    """A complete arm and one with a record missing, their cells from two float paths, two eval sets; the complete
+    arm's records carry a diagnosis, the other's are older ones, without."""
     res = lambda k: {"dev": right(12, *range(k)), "cross": right(12, *range(k - 1))}  # noqa: E731
-    cells = [cell("outcome", s, res(6 + s), threads=str(1 + s % 2)) for s in (0, 1, 2)] + \
+    cells = [{**cell("outcome", s, res(6 + s), threads=str(1 + s % 2)),
+              "diagnosis": diag(pass_first10=0.1 * s, pass_last10=0.3, zero_std=1 / 3)} for s in (0, 1, 2)] + \
         [cell("dense", s, res(7 + s)) for s in (0, 1)]
     s = study(["outcome", "dense"], [0, 1, 2], eval_sets=("dev", "cross"),
               comparisons=[{"arm": "outcome", "against": "start", "eval_set": "dev"},
@@ -252,6 +298,8 @@ def test_report_files_are_the_same_bytes_each_time(tmp_path):
     assert "| cell | code version | torch | cpu_capability | threads | device |\n" in md
     assert "| outcome-seed1 | abc123456789 | 2.13.0 | AVX512 | 2 | cpu |\n" in md
     assert "| outcome-seed0 | abc123456789 | 2.13.0 | AVX512 | 1 | cpu |\n" in md
+    assert "| outcome | 0, 1, 2 | 0.10 -> 0.30 | n/a | 33% | n/a | n/a | 3.0 / 0.0 | 3.0 / 0.0 |\n" in md
+    assert "| dense | 0, 1 |" + " not recorded |" * 5 + " 3.5 / 0.0 | 3.5 / 0.0 |\n" in md
     assert "2026-12-03" not in md  # no clock in the document: the same results read the same
     assert rep["provenance"][1]["finished_at"] == "2026-12-03T09:00:00Z"  # the numbers file keeps it
     assert (tmp_path / "one" / "forest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,8 +32,10 @@ def log_history(grpo: Path) -> list[dict]:
     return json.loads(ckpts[-1].read_text(encoding="utf-8"))["log_history"] if ckpts else []
 
 
-def _mean(values: list) -> float | None:
-    return fmean(values) if values else None  # fsum: ten logged 0.1s mean 0.1, not 0.09999999999999999
+def mean(values) -> float | None:
+    """The mean of the numbers among `values` (None: there are none); fsum's, so ten 0.1s mean 0.1."""
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return fmean(numbers) if numbers else None
 
 
 def training(log: list[dict]) -> dict:
@@ -41,7 +43,7 @@ def training(log: list[dict]) -> dict:
     steps = [h for h in log if "exec/correct" in h]  # the final summary entry (train_runtime) logs none
 
     def over(key: str, part: slice = slice(None)):
-        return _mean([h[key] for h in steps[part] if isinstance(h.get(key), (int, float))])
+        return mean(h.get(key) for h in steps[part])
 
     first, last = slice(None, EDGE), slice(-EDGE, None)
     return {"logged_steps": len(steps), "pass_first10": over("exec/correct", first),

@@ -23,7 +23,7 @@ from slmsql.errors import DataError
 from slmsql.inputs.data import dumps
 from slmsql.stats import inference, seedstats
 from slmsql.stats.wording import pct
-from slmsql.studies import compare, tables
+from slmsql.studies import compare, diagnosis, tables
 
 SCHEMA = "slmsql.study-report/1"
 START = "start"  # the start record's cell id
@@ -64,6 +64,8 @@ def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
                        "ex_b": None if start is None else _ex([start["results"][es][q][0] for q in ids[es]])}
                       for es in study["eval_sets"]],
         "rows": rows,
+        "diagnosis": [_diagnosis(arm, start, [r for r in got.values() if r["arm"] == arm], ids)
+                      for arm in study["arms"]],
         "provenance": [_provenance(r) for r in ([start] if start is not None else []) + list(got.values())],
     })
 
@@ -130,6 +132,28 @@ def _row(index: int, comp: dict, declared: dict, start, got: dict, ids, alpha: f
     return {**row, **_empty(), "n": None if ids is None else len(ids), **(stats or {})}
 
 
+def _diagnosis(arm: str, start: dict | None, recs: list[dict], ids: dict) -> dict:
+    """One arm's diagnosis: the means over its seeds of its records' training-log figures (over the records that
+    carry one: older records lack it), the spread of its band draws over all of them, and per eval set the
+    questions its seeds turned right and wrong against the start (a mean over seeds; None without the start)."""
+    have = [r["diagnosis"] for r in recs if r.get("diagnosis") is not None]
+    mean = diagnosis.mean
+
+    def spread(key, pick):
+        values = [d[key] for d in have if d[key] is not None]
+        return pick(values) if values else None
+
+    turned = {}
+    for es, qs in ids.items():
+        counts = [] if start is None else [diagnosis.turned({q: start["results"][es][q][0] for q in qs},
+                                                            {q: r["results"][es][q][0] for q in qs}) for r in recs]
+        turned[es] = {"right": mean([c[0] for c in counts]), "wrong": mean([c[1] for c in counts])} if counts else None
+    return {"arm": arm, "seeds": [r["seed"] for r in recs],
+            "diagnosed": [r["seed"] for r in recs if r.get("diagnosis") is not None],
+            **{k: mean([d[k] for d in have]) for k in diagnosis.KEYS if not k.startswith("draws_")},
+            "draws_min": spread("draws_min", min), "draws_max": spread("draws_max", max), "turned": turned}
+
+
 def _empty() -> dict:
     return {**dict.fromkeys(compare.STAT_KEYS), **dict.fromkeys(compare.SEED_KEYS), "seeds": 0, "ex_seeds": [],
             "diff_seeds": [], "seed_ids": []}
@@ -188,6 +212,7 @@ def markdown(report: dict) -> str:
                   # the rows with something to show: a planned study's has none, and no table
                   *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family,
                                        "comparison", lambda x: x["label"])]
+    lines += [*tables.diagnosis_table(r["diagnosis"], [es["name"] for es in r["eval_sets"]]), ""]
     lines += ["**Missing records.**", ""]
     lines += [f"- `{c}` ({_where(c)})" for c in r["missing"]] or ["None: every declared cell and the start have "
                                                                    "their record."]

@@ -1,6 +1,7 @@
 """The markdown tables of comparison rows that a sweep's report and a study's report both print: the pooled test's
-(a verdict for the seeds trained) and the one with seeds random too (a verdict for the method). ASCII signs and
-3-decimal p: the terminal tables docs/studies.md reproduces (the card uses stats.wording's)."""
+(a verdict for the seeds trained) and the one with seeds random too (a verdict for the method); and a study's
+diagnosis per arm, which the card of one of its cells prints too (stages/publish.py). ASCII signs and
+3-decimal p: the terminal tables docs/studies.md reproduces (the card's own tables use stats.wording's)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,40 @@ def method_table(rows: list[dict], family: int, head: str = "variant", label=lam
         out.append(f"| {label(r)} | {sd} | {pts(r['diff'])} {ci} | {df} | {pv(r['seed_p'])} | "
                    f"{pv(r['seed_p_holm'])} | {verdict}{differs} |")
     return out + [""]
+
+
+def diagnosis_table(arms: list[dict], eval_sets: list[str]) -> list[str]:
+    """Per arm, why it gained or did not (a study report's `diagnosis`, studies/report.py): its training log's
+    figures, means over its seeds ("not recorded": records from before the diagnosis), and the questions it turned
+    right and wrong against the start on each eval set."""
+    out = ["**Diagnosis.** Per arm, means over its recorded seeds: the sampled training pass rate of the first and "
+           "last 10 logged steps, the share of groups whose correctness varied and of groups with zero reward "
+           "variance, completions cut at the token budget (first and last 10 steps), how many steps drew each band "
+           "question (min-max over the seeds), and the questions the start got wrong and the cell right (turned "
+           "right) and the reverse, per eval set. \"not recorded\": its records predate the diagnosis.", "",
+           "| arm | seeds | train pass rate, first -> last 10 steps | groups varying | zero reward std | cut at the "
+           "token budget, first -> last 10 | draws per band question |"
+           + "".join(f" {es}: turned right / wrong |" for es in eval_sets),
+           "|---|---|---|---:|---:|---|---|" + "---:|" * len(eval_sets)]
+    for a in arms:
+        lacking = [s for s in a["seeds"] if s not in a["diagnosed"]]
+        seeds = (", ".join(map(str, a["seeds"])) or "none recorded") + (
+            f" (diagnosis not recorded: {', '.join(map(str, lacking))})" if lacking and a["diagnosed"] else "")
+        if a["diagnosed"]:
+            draws = "n/a" if a["draws_min"] is None else f"{a['draws_min']}-{a['draws_max']}"
+            figures = [_first_last(a, "pass", "{:.2f}"), _share(a["groups_vary"]), _share(a["zero_std"]),
+                       _first_last(a, "cut", "{:.0%}"), draws]
+        else:
+            figures = ["not recorded" if a["seeds"] else "n/a"] * 5
+        turned = [f"{t['right']:.1f} / {t['wrong']:.1f}" if t else "n/a" for t in (a["turned"][es] for es in eval_sets)]
+        out.append(f"| {a['arm']} | {seeds} |" + "".join(f" {x} |" for x in figures + turned))
+    return out
+
+
+def _first_last(arm: dict, name: str, form: str) -> str:
+    first, last = arm[f"{name}_first10"], arm[f"{name}_last10"]
+    return "n/a" if first is None or last is None else f"{form.format(first)} -> {form.format(last)}"
+
+
+def _share(x) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
