@@ -875,6 +875,137 @@ def test_sweep_card_of_several_starts_shows_each_rows_start(store, tmp_path):
     assert f"| {100 * demo['ex_b']:.1f}% | {100 * demo['ex_mean']:.1f}% |" in table
 
 
+# ---- a study: the card of one of its cells says what transferred, from the study's report.json -------------------
+
+STUDY_YAML = """\
+question: Do the reward sets transfer to held-out sets?
+title: a hand-built study
+experiment: inputs
+start: {model: slmsql-test/tiny-qwen2, adapter: adapters/sft}
+band: {limit: 0}
+db_root: dbs
+grpo: {max_steps: 40}
+arms:
+  outcome: {}
+  dense: {learning_rate: 3.0e-4}
+  qatch: {learning_rate: 1.0e-4}
+seeds: [0, 1, 2]
+eval_sets:
+  - {name: bird, data: data/bird.jsonl}
+  - {name: spider, data: data/spider.jsonl}
+"""
+
+
+def hand_built_study(root: Path, ids: dict) -> Path:
+    """A study folder as `slmsql study run` leaves it, its records made here from the sweep's hand-made results (no
+    training): outcome is the sweep's `defaults` (null on both sets; its seed 1 is the world's GRPO run, evaluated
+    by grpo_bird / grpo_spider), dense its binary-reward variant (far better on bird), qatch lacks seed 2's record
+    (no verdict). outcome's records carry a diagnosis, dense's and qatch's are older ones, without. Its report
+    is written by `slmsql study report`'s own code."""
+    from slmsql.configs import StudyReportConfig
+    from slmsql.stages import study as study_stage
+    from slmsql.studies import diagnosis, records, spec
+
+    folder = root / "studies" / "handmade"
+    folder.mkdir(parents=True)
+    (folder / "study.yaml").write_text(STUDY_YAML)
+    study = spec.load(folder)
+    data = seed_results()
+    as_results = lambda by_set: {es: {f"q{i}": [bool(c), "0" * 16] for i, c in enumerate(v)}  # noqa: E731
+                                 for es, v in by_set.items()}
+    records.write(study, records.make(study, records.START, config=study.start_config(), start={"fingerprint": "f0"},
+                                      code_version="c0de", results=as_results(data["baseline"]), metrics={}, runs={}))
+    like = {"outcome": "defaults", "dense": "runs_tier=0.0 format_tier=0.0", "qatch": "defaults"}
+    for c in study.cells():
+        if c.id == "qatch-seed2":
+            continue
+        mine = c.id == "outcome-seed1"
+        runs = {"grpo_run": ids["grpo"] if mine else f"g-{c.id}",
+                "eval_runs": {es: ids[f"grpo_{es}"] if mine else f"e-{c.id}-{es}" for es in ("bird", "spider")}}
+        why = {**dict.fromkeys(diagnosis.KEYS), "logged_steps": 40, "pass_first10": 0.2, "pass_last10": 0.6,
+               "zero_std": 0.5, "draws_min": 3, "draws_max": 3} if c.arm == "outcome" else None
+        records.write(study, records.make(
+            study, c.id, config=study.cell_config(c), start={"fingerprint": "f0"}, code_version="c0de",
+            results=as_results({es: data["runs"][(like[c.arm], es, c.seed)] for es in ("bird", "spider")}),
+            metrics={}, runs=runs, arm=c.arm, seed=c.seed, diagnosis=why))
+    study_stage.report(StudyReportConfig(study=str(folder)))
+    return folder
+
+
+def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_path):
+    from slmsql.stages.publish import main
+    from slmsql.stats.wording import pts
+
+    folder = hand_built_study(tmp_path, store)
+    rep = json.loads((folder / "report.json").read_text())
+    main(config(store, tmp_path, evals=(), study=str(folder), dry_run=True))  # the cell's evaluations by default
+    card = (tmp_path / "out" / "README.md").read_text()
+    results, tldr = section(card, "Results"), re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    row = {(r["label"], r["eval_set"]): r for r in rep["rows"]}
+    dense, outcome = row[("dense vs start", "bird")], row[("outcome vs start", "bird")]
+    assert (dense["verdict"], outcome["verdict"], row[("qatch vs start", "bird")]["verdict"]) == (
+        "improved", "no significant difference", None)
+    assert tldr.startswith("This adapter is seed 1 of arm `outcome` of the study `handmade` (8 of 9 cells "
+                           "recorded). Transferred (a significant gain after Holm's adjustment over the 6 declared "
+                           "comparisons, for the seeds trained): `dense vs start` on bird. Not transferred: "
+                           "`outcome vs start` on bird (no significant difference); ")
+    assert "No verdict: `qatch vs start` on bird (records missing: qatch-seed2)" in tldr
+    assert "This adapter alone: bird: 36.9% → 36.2%" in tldr  # its own evaluations, from the record
+    # in the results, the null comparison (this adapter's own arm) stated as not transferred, with its numbers
+    said = (f"`outcome vs start` on bird: no significant difference ({pts(outcome['diff'])} points, 95% CI "
+            f"[{pts(outcome['diff_ci_low'])}, {pts(outcome['diff_ci_high'])}], p (Holm) = 1.00; over seeds, for the "
+            "method: no significant difference)")
+    words = next(line for line in results.splitlines() if line.startswith("Transferred ("))
+    assert f"`dense vs start` on bird ({pts(dense['diff'])} points" in words.split("Not transferred:")[0]
+    assert f"Not transferred: {said}" in words and "Transferred (" not in words.split("Not transferred:")[1]
+    lines = {tuple(x.strip() for x in line.split("|")[1:3]): line for line in results.splitlines()
+             if line.startswith("| ") and "vs start" in line}
+    assert len(lines) == 6
+    assert lines[("outcome vs start", "bird")].endswith("| no significant difference | not transferred |")
+    assert lines[("dense vs start", "bird")].endswith("| improved | transferred |")
+    assert lines[("dense vs start", "spider")].endswith("| not transferred |")
+    assert lines[("qatch vs start", "spider")].endswith("| n/a | no verdict | no verdict |")  # p (Holm): none
+    over = f"[{pts(dense['seed_diff_ci_low'])}, {pts(dense['seed_diff_ci_high'])}]"  # the method's interval
+    assert f"| {pts(dense['diff'])} [{pts(dense['diff_ci_low'])}, {pts(dense['diff_ci_high'])}] |" in \
+        lines[("dense vs start", "bird")] and over in lines[("dense vs start", "bird")]
+    # the diagnosis beside it, as the study's report prints it
+    report_md = (folder / "report.md").read_text()
+    diag = [line for line in results.splitlines() if line.startswith(("| outcome |", "| dense |", "| qatch |"))]
+    assert diag and all(f"{line}\n" in report_md for line in diag)
+    assert diag[0].startswith("| outcome | 0, 1, 2 | 0.20 -> 0.60 | n/a | 50% | n/a | 3-3 |")
+    assert diag[1].startswith("| dense | 0, 1, 2 | not recorded |")
+    assert f"slmsql study run {folder}" in section(card, "Reproduce")
+    assert f"--study {folder}" in section(card, "Reproduce")
+    assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
+    assert f"`{folder}`" in section(card, "Provenance")
+
+
+def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, tmp_path):
+    from slmsql.stages.publish import main
+
+    folder = hand_built_study(tmp_path, store)
+    with pytest.raises(SlmsqlError, match="give --study or --sweep-run, not both"):
+        main(config(store, tmp_path, evals=(), study=str(folder), sweep_run=store["sweep"], dry_run=True))
+    path = folder / "records" / "dense-seed0.json"  # a record changed after the report was written
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "finished_at": "2027-01-01T00:00:00Z"}))  # provenance is in report.json
+    with pytest.raises(SlmsqlError, match=re.escape(f"{folder / 'report.json'}: not the report the study's records "
+                                                    f"give now: run `slmsql study report {folder}` first")):
+        main(config(store, tmp_path, evals=(), study=str(folder), dry_run=True))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_is_no_cell_of_the_study_is_refused_from_the_command_line(store, tmp_path):
+    folder = hand_built_study(tmp_path, store)
+    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "publish", "--grpo-run", store["local_grpo"],
+                           "--study", str(folder), "--repo-id", REPO, "--output-dir", str(tmp_path / "out"),
+                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"error: {folder / 'records'}: GRPO run {store['local_grpo']} is not a cell of study handmade: none of "
+            "its 8 cell records names it") in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_reproduce_command_prints_only_what_differs_from_the_defaults():
     """Params come back from MLflow as text: a default logged as 'false' (or 'False', by an older slmsql) or
     'all-linear' is not printed, a changed value is, quoted for the shell."""

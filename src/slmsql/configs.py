@@ -314,6 +314,9 @@ class PublishConfig(Common):
     filter_run: str = opt("", "MLflow run id of the filter run.")
     sweep_run: str = opt("", "MLflow run id of the sweep whose cell --grpo-run is: the card then carries the "
                          "variants x seeds table and states the pooled verdict (--eval-runs default: the cell's).")
+    study: str = opt("", "A study folder (studies/NAME) one of whose cell records names --grpo-run: the card then "
+                     "states, from its report.json, each declared comparison's pooled and over-seeds verdicts, what "
+                     "transferred and what did not, and the diagnosis per arm (--eval-runs default: the cell's).")
     repo_id: str = opt("", "Hub repo id OWNER/NAME.", required=True)
     base_repo: str = opt("", "Hub repo OWNER/NAME to push a local base model (a full fine-tune) to, with its own "
                          "card; the adapter's card and adapter_config.json then name it as the base.")

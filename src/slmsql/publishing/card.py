@@ -4,7 +4,8 @@ A local base pushed beside the adapter (publish --base-repo) gets its own card: 
 Every number on the card is read from a run (params, metrics, metrics.json, the filter's summary.json, the
 adapter's adapter_config.json, a sweep's report/sweep.json); the wording of the conclusion is chosen from the
 verdicts the runs computed (McNemar at the run's alpha; with a sweep of several seeds, the pooled test over the
-adapter's variant, Holm-adjusted), never written in advance. A card without one says it is a single seed. The card
+adapter's variant, Holm-adjusted; with a study, its report.json's Holm verdicts: what transferred and what did not),
+never written in advance. A card without one says it is a single seed. The card
 depends only on the runs and the publish options, so publishing the same runs twice renders the same bytes (and the Hub makes no new commit).
 """
 
@@ -57,6 +58,9 @@ class Runs:
     history: dict = field(default_factory=dict)  # per-step metric -> [values], for ranges
     sweep_run: object = None  # the sweep this GRPO run is a cell of, and its report (report/sweep.json)
     sweep: dict | None = None
+    # the study this GRPO run is a cell of (publish --study): its folder, report.json, the cell's arm and seed, and
+    # its diagnosis table as the report prints it (stages/publish.py reads them: a study is a layer above this one)
+    study: dict | None = None
     base: Base | None = None  # a local base pushed with --base-repo
     settings: dict | None = None  # the evaluation runs' prompt and generation settings (text2sql)
 
@@ -168,6 +172,51 @@ def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -
     return text + _signal(telemetry)
 
 
+def transfer(row: dict) -> str:
+    """A study comparison's word on the card: "transferred" only for a significant gain after Holm (pooled)."""
+    return "no verdict" if row["verdict"] is None else "transferred" if row["verdict"] == "improved" else \
+        "not transferred"
+
+
+def transfer_text(rows: list[dict], comparisons: int, level: str, numbers: bool = True) -> str:
+    """What transferred and what did not, in plain words, chosen from the study's Holm verdicts (never written in
+    advance); with `numbers`, each comparison's pooled difference and the verdict over seeds (for the method)."""
+    def say(r, verdict: bool = False):
+        what = f"`{r['label']}` on {r['eval_set']}" + (f": {r['verdict']}" if verdict and numbers else "")
+        if not numbers:
+            return f"{what} ({r['verdict']})" if verdict else what
+        p = pval(r["p_holm"])
+        return (f"{what} ({pts(r['diff'])} points, {level} CI [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}], "
+                f"p (Holm) {p if p.startswith('<') else '= ' + p}; over seeds, for the method: "
+                f"{r['seed_verdict'] or 'no verdict'})")
+
+    by = {word: [r for r in rows if transfer(r) == word] for word in ("transferred", "not transferred", "no verdict")}
+    parts = []
+    if by["transferred"]:
+        parts.append(f"Transferred (a significant gain after Holm's adjustment over the {comparisons} declared "
+                     f"comparisons, for the seeds trained): {'; '.join(say(r) for r in by['transferred'])}.")
+    elif by["not transferred"]:
+        parts.append(f"Nothing transferred: none of the {comparisons} declared comparisons is a significant gain "
+                     "after Holm's adjustment.")
+    if by["not transferred"]:
+        parts.append("Not transferred: " + "; ".join(say(r, verdict=True) for r in by["not transferred"]) + ".")
+    if by["no verdict"]:
+        parts.append("No verdict: " + "; ".join(f"{say(r)} ({r['reason']})" for r in by["no verdict"]) + ".")
+    return " ".join(parts)
+
+
+def study_tldr(study: dict, results: list[dict], telemetry: dict) -> str:
+    """The conclusion from the study this adapter is a cell of (in words: the Results section has its numbers),
+    then this adapter's own numbers."""
+    rec = study["records"]
+    text = (f"This adapter is seed {study['seed']} of arm `{study['arm']}` of the study `{study['name']}` "
+            f"({rec['cells']} of {rec['declared']} cells recorded). "
+            f"{transfer_text(study['rows'], study['comparisons'], study['level'], numbers=False)}")
+    compared = [r for r in results if r["cmp"]]
+    own = _facts(compared) if compared else "; ".join(f"{r['dataset']}: EX {r['ex']:.1%}" for r in results)
+    return f"{text} This adapter alone: {own}." + _signal(telemetry)
+
+
 # --- formatting, also used as Jinja filters (pct, pts, pval, points, duration: slmsql.stats.wording) -------------
 def mdd(x) -> str:
     return "none at this n" if x is None or not math.isfinite(x) else f"{100 * x:.1f} points"
@@ -269,6 +318,19 @@ def _sweep(runs: Runs) -> dict | None:
             "spread": [r for r in rep["rows"] if r["variant"] == cell["variant"]]}
 
 
+def _study(runs: Runs) -> dict | None:
+    """The study's comparisons for the card, each marked transferred or not, from its report.json."""
+    if runs.study is None:
+        return None
+    rep = runs.study["report"]
+    level = f"{1 - rep['alpha']:.0%}"
+    rows = [{**r, "transfer": transfer(r)} for r in rep["rows"]]
+    return {**{k: runs.study[k] for k in ("folder", "cell", "arm", "seed", "diagnosis")}, "name": rep["study"],
+            **{k: rep[k] for k in ("title", "question", "records", "comparisons", "alpha", "method", "seed_method",
+                                   "seeds")},
+            "level": level, "rows": rows, "transfer": transfer_text(rows, rep["comparisons"], level)}
+
+
 def context(runs: Runs, cfg) -> dict:
     grpo = runs.grpo
     p, tags, metrics = grpo.data.params, grpo.data.tags, grpo.data.metrics
@@ -283,6 +345,9 @@ def context(runs: Runs, cfg) -> dict:
     if runs.sweep_run is not None:
         cmds.append(("the sweep this adapter is a cell of (it trains and evaluates every variant x seed)",
                      command("sweep", runs.sweep_run.data.params)))
+    if runs.study is not None:
+        cmds.append(("the study this adapter is a cell of (its start, every arm x seed, its report)",
+                     f"slmsql study run {shlex.quote(runs.study['folder'])}"))
     cmds.append(("GRPO on the band" if runs.filter is not None else "GRPO", command("grpo", p)))
     for r in results:
         if r["cmp"] and r["cmp"]["baseline_run"] in runs.baselines:
@@ -293,10 +358,15 @@ def context(runs: Runs, cfg) -> dict:
         cmds.append((f"evaluate the GRPO adapter on {r['dataset']}{note}", command("evaluate", run.data.params)))
     # only what shapes the pushed files: the output folder or a registry alias must not change the card
     shaping = {k: v for k, v in configs.to_params(cfg).items()
-               if k in ("grpo_run", "eval_runs", "filter_run", "sweep_run", "repo_id", "base_repo", "private", "license")}
+               if k in ("grpo_run", "eval_runs", "filter_run", "sweep_run", "study", "repo_id", "base_repo", "private",
+                        "license")}
     cmds.append(("this card (run ids: those of the runs above)", command("publish", shaping)))
-    sweep = _sweep(runs)
-    if sweep and len(sweep["seeds"]) > 1:
+    sweep, study = _sweep(runs), _study(runs)
+    if study and len(study["seeds"]) > 1:
+        summary = study_tldr(study, results, telemetry)
+    elif study:
+        summary = f"{study_tldr(study, results, telemetry)} {SINGLE_SEED}"
+    elif sweep and len(sweep["seeds"]) > 1:
         summary = pooled_tldr(sweep, results, start, telemetry)
     else:  # one seed, with or without a sweep
         summary = f"{tldr(results, start, telemetry)} {SINGLE_SEED}"
@@ -307,7 +377,7 @@ def context(runs: Runs, cfg) -> dict:
         "base_pushed": runs.base is not None, "model_tag": model,
         "provenance": runs.grpo.data.tags.get("slmsql.model_provenance", ""),
         "base_adapter": tags.get("slmsql.base_adapter", ""), "adapter_mode": tags.get("slmsql.adapter_mode", "none"),
-        "start": start, "tldr": summary, "results": results, "sweep": sweep,
+        "start": start, "tldr": summary, "results": results, "sweep": sweep, "study": study,
         "ci": "95% CI" if all(abs(r["level"] - 0.95) < 1e-9 for r in results) else "CI at 1 − α",
         "diff_ci_method": diff_ci_method(results),
         "buckets": _buckets(runs.filter_summary), "filter_params": runs.filter.data.params if runs.filter else {},

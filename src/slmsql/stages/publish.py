@@ -17,6 +17,10 @@ Re-publishing the same runs renders the same bytes; upload_folder then skips eve
 commit (it returns the current head), the GRPO run's text2sql model of those commits is reused, and so is its
 registry version.
 
+With --study the GRPO run must be a cell of that study (its record names the run) and the study's report.json the one
+its records give now; the card then states the study's comparisons, what transferred and what did not, and its
+diagnosis per arm (`study_of`: a study is read here, a layer above the card).
+
 A local base (a full fine-tune) is published only with --base-repo: its folder is pushed as it is (hard-linked
 into OUT/base/, not copied) with a card saying what it is and where it came from (the SFT run that wrote it,
 found from the folder: the pipeline's from-runs/<run id>/, else an SFT run whose --output-dir it is, else
@@ -33,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from slmsql.configs import PublishConfig
-from slmsql.errors import SlmsqlError
+from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import write_json
 from slmsql.inputs.sources import hub_id, same_model
 from slmsql.publishing import card as cards
@@ -64,6 +68,9 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
 
     client = mlflow.MlflowClient()
     sweep_run, sweep, eval_runs = None, None, cfg.eval_runs
+    study = study_of(cfg) if cfg.study else None  # refused here, before any run is read
+    if study is not None:
+        eval_runs = eval_runs or list(study["record"]["mlflow"]["eval_runs"].values())
     if cfg.sweep_run:
         sweep_run = tracking.stage_run_of(client, cfg.sweep_run, "sweep", "sweep")
         sweep = json.loads(tracking.download(cfg.sweep_run, "report/sweep.json", tmp / "sweep").read_text())
@@ -106,7 +113,7 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
     # what the text2sql model generates with: refused now, before anything is written, if it is ambiguous
     settings = settings_from_runs(grpo, [run for run, _ in evals])
     runs = cards.Runs(grpo=grpo, adapter_config=json.loads((adapter / "adapter_config.json").read_text()),
-                      evals=evals, baselines=baselines, sweep_run=sweep_run, sweep=sweep, base=base,
+                      evals=evals, baselines=baselines, sweep_run=sweep_run, sweep=sweep, base=base, study=study,
                       settings=settings,
                       history={k: [m.value for m in client.get_metric_history(grpo.info.run_id, k)]
                                for _, k, _, _ in cards.TELEMETRY})
@@ -119,6 +126,37 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
             raise SlmsqlError(f"filter run {cfg.filter_run} kept {band} band questions, but GRPO run {cfg.grpo_run} "
                               f"trained on {trained}: not the same RL data")
     return runs, adapter
+
+
+def study_of(cfg: PublishConfig) -> dict:
+    """The study whose cell --grpo-run is (publish --study): its cell record (strictly read, as `study report`
+    reads them), its report.json, which must be the one its records give now (a stale report would put other
+    verdicts on the card than the records hold), and its diagnosis table as the report prints it."""
+    from slmsql.inputs.data import dumps
+    from slmsql.studies import records, report, spec, tables
+
+    if cfg.sweep_run:
+        raise SlmsqlError("give --study or --sweep-run, not both: the card's seeds and verdicts come from one of them")
+    study = spec.load(cfg.study)
+    start, cells = records.read(study)
+    rec = next((r for r in cells.values() if (r.get("mlflow") or {}).get("grpo_run") == cfg.grpo_run), None)
+    if rec is None:
+        raise DataError(f"GRPO run {cfg.grpo_run} is not a cell of study {study.name}: none of its {len(cells)} "
+                        "cell records names it as its grpo_run", study.records)
+    path = study.folder / "report.json"
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"no report: run `slmsql study report {cfg.study}` first", path) from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"malformed JSON: {e.msg}", path, e.lineno) from None
+    now = report.build(study.as_dict(), start, [cells[c.id] for c in study.cells() if c.id in cells])
+    if written != json.loads(dumps(now, allow_nan=False)):
+        raise DataError(f"not the report the study's records give now: run `slmsql study report {cfg.study}` first",
+                        path)
+    return {"folder": cfg.study, "record": rec, "report": written, "cell": rec["cell"], "arm": rec["arm"],
+            "seed": rec["seed"], "diagnosis": tables.diagnosis_table(written["diagnosis"],
+                                                                     [es["name"] for es in written["eval_sets"]])}
 
 
 def local_base(client, cfg: PublishConfig, grpo, model: str, tmp: Path) -> cards.Base:
