@@ -320,6 +320,9 @@ def test_a_cell_records_the_diagnosis_of_its_grpo_runs_training_log(folder, tmp_
     records.write(s, start)
     records.write(s, rec)
     assert records.read(s)[1]["a-seed0"]["diagnosis"] == rec["diagnosis"]  # what it writes, it reads back
+    # a folder without a log or logged prompts: nothing known, not "drawn 0 times"
+    assert diagnosis.of_run(tmp_path / "gone", {"b0": {"question": "x?"}}) == {
+        **dict.fromkeys(diagnosis.KEYS), "logged_steps": 0}
 
 
 def test_the_fingerprint_is_of_the_weights_and_the_band(tmp_path):
