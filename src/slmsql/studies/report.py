@@ -5,7 +5,9 @@ Each declared comparison is one row of one Holm family, in declared order. An ar
 row (studies/compare.py: seeds pooled per question; seeds random too); an arm against an arm pairs seed s with
 seed s. The family always has its declared size: a comparison whose records are not all there enters it as p = 1
 and gets no verdict, its estimate from the seeds present shown as incomplete, so a verdict never gets easier as
-records go missing. The missing cells are named, and so is the machine (float path) and code of every cell.
+records go missing. The missing cells are named, and so is the machine (float path) and code of every cell. Per arm, a
+diagnosis: the means over its seeds of its records' training-log figures (studies/diagnosis.py; "not recorded" for
+records from before them), and the questions its seeds turned right and wrong against the start, per eval set.
 
 The report is a function of the records: no clock, no paths of this machine, so regenerating it from the same
 records gives the same bytes.
@@ -137,7 +139,7 @@ def _diagnosis(arm: str, start: dict | None, recs: list[dict], ids: dict) -> dic
     carry one: older records lack it), the spread of its band draws over all of them, and per eval set the
     questions its seeds turned right and wrong against the start (a mean over seeds; None without the start)."""
     have = [r["diagnosis"] for r in recs if r.get("diagnosis") is not None]
-    mean = diagnosis.mean
+    mean = diagnosis.mean  # of the numbers given: a figure a log lacked (None) is left out
 
     def spread(key, pick):
         values = [d[key] for d in have if d[key] is not None]
