@@ -223,6 +223,23 @@ def test_new_code_pools_only_once_the_study_says_so(folder):
     assert sorted(cells) == ["a-seed0", "a-seed1", "b-seed0", "b-seed1"]
 
 
+def test_an_option_added_after_a_record_pools_only_at_its_default(folder):
+    """A record made before a stage gained an option lacks it: at the option's default it is what that code did,
+    and the record pools; declared otherwise, the record is refused, naming the option."""
+    s = spec.load(folder)
+    fake_records(s)
+    path = records.path_of(s, "a-seed0")
+    rec = json.loads(path.read_text())
+    del rec["config"]["grpo"]["merged_rollouts"], rec["config"]["evaluate"]["limit"]  # as older code wrote it
+    path.write_text(json.dumps(rec))
+    assert records.read(s)[1]["a-seed0"]["config"] == rec["config"]  # read as recorded, not rewritten
+    study = folder / "study.yaml"
+    study.write_text(study.read_text().replace("grpo: {max_steps: 2}", "grpo: {max_steps: 2, merged_rollouts: true}"))
+    with pytest.raises(DataError, match=r"grpo\.merged_rollouts \(declared 'true', recorded None\)") as e:
+        records.read(spec.load(folder))
+    assert e.value.path == path
+
+
 def test_shards_split_the_declared_cells_and_run_only_what_is_missing(folder):
     s = spec.load(folder)
     shares = [stage.todo(s, {}, StudyRunConfig(study=str(folder), shard=f"{k}/3")) for k in (1, 2, 3)]

@@ -18,6 +18,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from slmsql import configs
+from slmsql.configs import EvaluateConfig, GRPOStageConfig
 from slmsql.errors import DataError
 from slmsql.studies import diagnosis
 from slmsql.studies.spec import Cell, Study
@@ -135,6 +137,20 @@ def _check_diagnosis(d, path: Path) -> None:
                             field=f"diagnosis.{key}")
 
 
+def _with_new_defaults(recorded: dict, declared: dict) -> dict:
+    """A cell record's config with each GRPO or evaluate option it lacks taken from the declaration where the
+    declaration leaves it at its default: an option added to a stage after the record was made, at its default,
+    is what the record's code did (a new option's default keeps the old behaviour). Any other difference still
+    refuses the record; its code version is checked apart (`Study.accepted_code`)."""
+    out = dict(recorded)
+    for section, cls in (("grpo", GRPOStageConfig), ("evaluate", EvaluateConfig)):
+        have, want = recorded.get(section), declared.get(section)
+        if isinstance(have, dict) and isinstance(want, dict):
+            default = configs.to_params(cls())
+            out[section] = {**have, **{k: v for k, v in want.items() if k not in have and default.get(k) == v}}
+    return out
+
+
 def _differs(want: dict, got: dict) -> str:
     keys = sorted(set(want) | set(got), key=str)
     k = next(k for k in keys if want.get(k) != got.get(k))
@@ -162,8 +178,8 @@ def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
             raise DataError(f"a record for no declared cell (declared: {sorted(declared)})", path)
         rec = _read(path, study, name)
         want = study.cell_config(declared[name])
-        if rec["config"] != want:
-            raise DataError(f"config differs from the declaration: {_differs(want, rec['config'])}", path,
+        if (got := _with_new_defaults(rec["config"], want)) != want:
+            raise DataError(f"config differs from the declaration: {_differs(want, got)}", path,
                             field="config")
         if start is None:
             raise DataError("a cell record without records/start.json: the start it was trained from is unknown", path)
