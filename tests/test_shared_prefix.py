@@ -3,7 +3,9 @@
 Fast, on a small random model: the packed layout of hand-built micro-batches (left-padded prompts of different
 lengths, several prompts, groups cut by the micro-batch, completions that end early or are empty), per-token
 log-probs, entropies and LoRA gradients equal to TRL's own plain computation (fp32), with gradient checkpointing on
-and off and in chunks; group-keeping shuffles; prefill once in generation (the same scores and tokens).
+and off and in chunks; group-keeping shuffles; prefill once in generation (the same scores and tokens); the
+first step's self-check on one micro-batch, and a fallback that is TRL's own path (its micro-batches, order and
+generate calls, against GRPOTrainer itself).
 Slow, on SmolLM2-135M-Instruct (the real model, from the cache `make smollm2` fills) and on the trained tiny policy:
 the same equalities where a wrong mask or position id moves log-probs by whole units, so the break checks bite;
 then whole `slmsql grpo` runs with the shared prefix on and off on scripted completions (tests/scripted.py), which
@@ -188,6 +190,127 @@ def test_group_shuffle_keeps_groups_whole_and_falls_back_otherwise():
     mixed = {**batch, "prompt_ids": torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4], [5, 6], [5, 6]])}
     assert shared_prefix.shuffle_groups(mixed, 2) is None  # not consecutive groups: TRL's row shuffle applies
     assert shared_prefix.shuffle_groups(batch, 4) is None
+
+
+# ---- the first step: the self-check on one micro-batch, and a fallback that is TRL's own path ------------------
+
+PROMPTS = ["SELECT name FROM item", "name FROM", "WHERE price > 3 ORDER BY", "ORDER BY name"]
+
+
+def grpo_trainer(cls, model, folder, tmp_path, **over):
+    """`cls` (GRPOTrainer, or a shared-prefix class of it) on `model` without LoRA (nothing drawn at random: two
+    trainers on two loads of one folder hold the same weights), 2 generation steps of 4 rows (groups of 2): a
+    generation batch of 8 rows, 4 prompts."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
+                                per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+                                max_completion_length=8, temperature=0.8, seed=0), **over})
+    return cls(model=model, reward_funcs=[lambda completions, **_: [float(len(c)) for c in completions]], args=args,
+               train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+               processing_class=AutoTokenizer.from_pretrained(folder))
+
+
+def generation_batch(trainer) -> list[dict]:
+    """What TRL's sampler hands `_prepare_inputs`: each prompt num_generations times in a row."""
+    return [{"prompt": p} for p in PROMPTS for _ in range(trainer.num_generations)]
+
+
+def decoder_calls(model) -> list:
+    """The (rows, width) of every forward of `model`'s decoder, in order, appended as they happen."""
+    calls = []
+    model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    return calls
+
+
+def prepare(trainer, generations: int = 2) -> list[dict]:
+    """The micro-batches of `generations` generation batches as `_prepare_inputs` buffers them, each drawn after
+    torch.manual_seed(g) (the sampling and TRL's shuffle read torch's generator)."""
+    trainer.model.train()
+    out = []
+    for g in range(generations):
+        trainer._step = g * trainer.args.steps_per_generation
+        torch.manual_seed(g)
+        trainer._prepare_inputs(generation_batch(trainer))
+        out += trainer._buffered_inputs
+    return out
+
+
+def leaked(monkeypatch):
+    """Packing.of with every completion seeing the others: a wrong layout the self-check must catch."""
+    of = Packing.of
+
+    def wrong(*a, **k):
+        p = of(*a, **k)
+        if p is not None:
+            p.segment = p.segment.clamp(max=1)
+        return p
+
+    monkeypatch.setattr(Packing, "of", wrong)
+
+
+def test_the_self_check_forwards_one_micro_batch_of_the_first_generation(tmp_path):
+    """The check computes per_device_train_batch_size rows both ways (what one forward of the loss sees), not the
+    generation batch (here 2 micro-batches); its rows are the batch's first ones, whole groups, so the packed
+    forward holds their 2 prompts once each."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path)
+    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer), model, folder, tmp_path)
+    calls, checked = decoder_calls(trainer.model), []
+    check = trainer._self_check
+
+    def counted(batch):
+        start = len(calls)
+        check(batch)
+        checked.extend(calls[start:])
+        assert batch["prompt_ids"].size(0) == 8  # it was handed the whole generation batch
+
+    trainer._self_check = counted
+    prepare(trainer, generations=1)
+    assert trainer._shared_prefix == "on"
+    (plain_rows, width), (packed_rows, packed_width) = checked
+    assert plain_rows == 4 and packed_rows == 2 and packed_width < 2 * width
+
+
+@pytest.mark.parametrize("reason", ["check fails"])
+def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
+    """After a fallback the run is TRL's: the same micro-batches in the same order (TRL's row shuffle, not the group
+    shuffle), the same completions from the same generate calls (no shared prefill), at the first generation and
+    after it, as GRPOTrainer itself on the same weights and seed."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path)
+    plain = grpo_trainer(GRPOTrainer, model, folder, tmp_path)
+    plain_calls = decoder_calls(plain.model)
+    expected = prepare(plain)
+    leaked(monkeypatch)
+    states = []
+    model, folder = tiny_lm(tmp_path / "again")
+    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    calls, checked = decoder_calls(trainer.model), []
+    check = trainer._self_check
+
+    def spanned(batch):
+        checked.append(len(calls))
+        check(batch)
+        checked.append(len(calls))
+
+    trainer._self_check = spanned
+    got = prepare(trainer)
+    assert trainer._shared_prefix == "off" and len(states) == 1 and states[0].startswith("plain path: "), states
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys()
+        for key in b:
+            same = torch.equal(a[key], b[key]) if isinstance(b[key], torch.Tensor) else a[key] == b[key]
+            assert same, key
+    # the forwards TRL made (generation: each row's whole prompt, then a token at a time), and the check's between
+    start, end = checked
+    assert end - start == 2 and calls[:start] + calls[end:] == plain_calls
 
 
 # ---- generation: each prompt prefilled once -----------------------------------------------------------------

@@ -20,6 +20,12 @@ measures it).
 `packed_logps` is the computation; `Packing.of` the layout; `trainer_class` puts it into TRL's GRPOTrainer, where
 every per-token log-prob TRL takes goes through one method (`_get_per_token_logps_and_entropies`: the policy's in
 the loss, the old policy's, the reference model's), and micro-batches hold whole groups.
+
+Nothing changes TRL's path before the self-check has passed: the first generation batch is generated, scored and
+(where TRL takes them) its old and reference log-probs computed TRL's way; then its first micro-batch is checked,
+and only then is it shuffled, by groups when the check passed and by rows (TRL's) when it did not. A run that falls
+back, at its start or at the check, is TRL's own path from its first step to its last: the same micro-batches in
+the same order and the same generate calls.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ log = logging.getLogger(__name__)
 TAG = "slmsql.shared_prefix"  # a run's tag: what --shared-prefix did (on, with the self-check's figure; or why not)
 # The attention implementations that take a custom 4-D mask as transformers passes it (flash attention does not).
 MASKED_ATTENTION = ("sdpa", "eager")
+# A generation batch's fields that carry images: the packed layout is text-only, so such a run stays on the plain path.
+MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+              "mm_token_type_ids")
 # The largest |log p(shared) - log p(plain)| the first step's self-check accepts, by the dtype the model computes
 # in. Measured on SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens,
 # 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
@@ -239,8 +248,9 @@ def compute_dtype(args, model) -> torch.dtype:
 
 def trainer_class(trainer_cls, on_state=None):
     """`trainer_cls` (GRPOTrainer, or a partial of slmsql's subclasses) computing every per-token log-prob with the
-    shared prefix, after a first-step self-check against the plain path. `on_state(text)` hears what the run does
-    (on, with the check's figure; or the plain path, and why) for the run's tag."""
+    shared prefix, after a self-check against the plain path on the first generation batch's first micro-batch
+    (TRL's path until then, and from then on if it fails: module docstring). `on_state(text)` hears what the run
+    does (on, with the check's figure; or the plain path, and why) for the run's tag."""
     if isinstance(trainer_cls, functools.partial):
         return functools.partial(trainer_class(trainer_cls.func, on_state), *trainer_cls.args, **trainer_cls.keywords)
 
@@ -269,9 +279,11 @@ def trainer_class(trainer_cls, on_state=None):
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):
-            # transformers' generate, each prompt prefilled once (`generate`); vLLM shares prefill itself (n = K)
+            # transformers' generate, each prompt prefilled once (`generate`), once the check has passed: until then
+            # and after a fallback, TRL's own; vLLM shares prefill itself (n = K)
             model = self.accelerator.unwrap_model(self.model)
-            if self.use_vllm or self.use_transformers_continuous_batching or images is not None or multimodal_fields:
+            if self._shared_prefix != "on" or self.use_vllm or self.use_transformers_continuous_batching \
+                    or images is not None or multimodal_fields:
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                      has_tool_images)
             model.generate = functools.partial(generate, model.generate, model)
@@ -282,13 +294,18 @@ def trainer_class(trainer_cls, on_state=None):
                 del model.generate
 
         def _prepare_inputs(self, generation_batch):
-            # TRL 1.16's own, but micro-batches hold whole groups (shuffle_groups)
-            if not self.model.training:
+            # TRL 1.16's own, with the self-check on the first generation batch before it is shuffled, and then
+            # micro-batches that hold whole groups (shuffle_groups); off, exactly TRL's
+            if not self.model.training or self._shared_prefix == "off":
                 return super()._prepare_inputs(generation_batch)
             generate_every = self.args.steps_per_generation * self.num_iterations
             if self._step % generate_every == 0 or self._buffered_inputs is None:
-                batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-                batch = shuffle_groups(batch, self.num_generations) or shuffle_sequence_dict(batch)
+                batch = self._generate_and_score_completions(generation_batch)
+                if self._shared_prefix == "unchecked":
+                    self._self_check(batch)
+                batch = split_pixel_values_by_grid(batch)
+                shuffled = shuffle_groups(batch, self.num_generations) if self._shared_prefix == "on" else None
+                batch = shuffled or shuffle_sequence_dict(batch)
                 self._buffered_inputs = [unsplit_pixel_values_by_grid(b)
                                          for b in split_tensor_dict(batch, self.args.steps_per_generation)]
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
@@ -298,12 +315,10 @@ def trainer_class(trainer_cls, on_state=None):
                                                **extra):
             plain = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
                                       logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
-            if self._shared_prefix == "off" or compute_aux_loss or any(v is not None for v in extra.values()):
+            # until the check has passed (the first generation's old and reference log-probs) and after a fallback,
+            # TRL's own
+            if self._shared_prefix != "on" or compute_aux_loss or any(v is not None for v in extra.values()):
                 return plain()
-            if self._shared_prefix == "unchecked":
-                self._self_check(model, input_ids, attention_mask, logits_to_keep)
-                if self._shared_prefix == "off":
-                    return plain()
             logps, entropies = self._shared(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                             compute_entropy)
             return logps, entropies, None
@@ -331,10 +346,19 @@ def trainer_class(trainer_cls, on_state=None):
             entropies = torch.cat([p[1] for p in parts])[back] if compute_entropy else None
             return logps, entropies
 
-        def _self_check(self, model, input_ids, attention_mask, logits_to_keep):
-            """One micro-batch both ways, dropout off: the largest |log p| difference over its completion tokens,
-            the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain path."""
-            model = self.accelerator.unwrap_model(model)  # no DDP wrapper: nothing here is synchronised
+        def _self_check(self, batch):
+            """The first micro-batch of the first generation batch (per_device_train_batch_size rows, what one
+            forward of the loss sees) both ways, dropout off: the largest |log p| difference over its completion
+            tokens, the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain
+            path from here on."""
+            if any(batch.get(k) is not None for k in MULTIMODAL):
+                self._plain("multimodal inputs (the packed layout is text-only)")
+                return
+            rows = slice(0, self.args.per_device_train_batch_size)
+            input_ids = torch.cat([batch["prompt_ids"][rows], batch["completion_ids"][rows]], dim=1)
+            attention_mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], dim=1)
+            logits_to_keep = batch["completion_ids"].size(1)
+            model = self.accelerator.unwrap_model(self.model)  # no DDP wrapper: nothing here is synchronised
             was_training = model.training
             model.eval()  # dropout off: both computations see the same weights
             try:
