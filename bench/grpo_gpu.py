@@ -280,7 +280,7 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         "peak_gpu_gib": round(peak, 2) if peak is not None else "n/a",
         "completion_lengths_seen": lengths,
         "fixed_length": lengths == [args.completion_len],
-        # the shared arm's first-step self-check (shared_prefix.TOLERANCE), in the arm's precision
+        # the shared arm's first-step self-check (shared_prefix.TOLERANCE), in float32 whatever the arm computes in
         "shared_prefix_logp_max_abs_diff": next((h[k] for h in logs for k in h
                                                  if k == "shared_prefix/logp_max_abs_diff"), None),
     }

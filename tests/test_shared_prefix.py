@@ -4,7 +4,8 @@ Fast, on a small random model: the packed layout of hand-built micro-batches (le
 lengths, several prompts, groups cut by the micro-batch, completions that end early or are empty), per-token
 log-probs, entropies and LoRA gradients equal to TRL's own plain computation (fp32), with gradient checkpointing on
 and off and in chunks; group-keeping shuffles; prefill once in generation (the same scores and tokens); the
-first step's self-check on one micro-batch, and a fallback that is TRL's own path (its micro-batches, order and
+first step's self-check on one micro-batch, in float32 under bfloat16 compute (where a leaked segment hides in
+bfloat16's rounding), and a fallback that is TRL's own path (its micro-batches, order and
 generate calls, against GRPOTrainer itself).
 Slow, on SmolLM2-135M-Instruct (the real model, from the cache `make smollm2` fills) and on the trained tiny policy:
 the same equalities where a wrong mask or position id moves log-probs by whole units, so the break checks bite;
@@ -91,14 +92,14 @@ def test_packing_refuses_layouts_it_does_not_read():
     assert Packing.of(ids, right_padded, width) is None
 
 
-def tiny_lm(tmp_path, attn: str = "sdpa"):
+def tiny_lm(tmp_path, attn: str = "sdpa", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from slmsql.toy.tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny", ["SELECT name FROM item WHERE price > 3 ORDER BY name"] * 8,
                               vocab_size=300, hidden=32, layers=2, heads=2, ffn=64)
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn), folder
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=dtype), folder
 
 
 def trainer_for(model, folder, tmp_path, lora: bool = True, checkpointing: bool = False):
@@ -274,6 +275,63 @@ def test_the_self_check_forwards_one_micro_batch_of_the_first_generation(tmp_pat
     assert trainer._shared_prefix == "on"
     (plain_rows, width), (packed_rows, packed_width) = checked
     assert plain_rows == 4 and packed_rows == 2 and packed_width < 2 * width
+
+
+@pytest.mark.parametrize("bf16", ["autocast", "weights"])
+def test_the_self_check_catches_under_bf16_what_bf16_rounding_hides(tmp_path, monkeypatch, bf16):
+    """Under bfloat16 compute (TRL's mixed precision on float32 weights, with the autocast accelerate wraps a
+    prepared model's forward in; or bfloat16 weights) a leaked segment moves the tiny model's log-probs by ~0.04:
+    far under the 0.24-0.44 that bfloat16's rounding alone moves a real model's, so a check in bfloat16 would have to
+    take it. The check compares in float32, catches it, and the run falls back, its weights as they were."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path, dtype=torch.bfloat16 if bf16 == "weights" else torch.float32)
+    states = []
+    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+                           bf16=bf16 == "autocast")
+    if bf16 == "autocast":
+        trainer.accelerator.prepare_model(trainer.model)  # as train() does: its forward runs under autocast now
+        assert "_original_forward" in trainer.model.__dict__
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    leaked(monkeypatch)
+    prepare(trainer, generations=1)
+    (diff,) = trainer._metrics["train"]["shared_prefix/logp_max_abs_diff"]
+    assert shared_prefix.TOLERANCE[torch.float32] < diff < 0.2, diff
+    assert trainer._shared_prefix == "off" and states[0].startswith("plain path: the first step's self-check")
+    assert "in float32" in states[0]
+    for n, p in trainer.model.named_parameters():
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
+
+
+def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
+    """`computing_in`: a bfloat16 model prepared for bfloat16 mixed precision computes, inside the block and under
+    accelerate's own `autocast()`, what a float32 copy of its weights computes; after it, its weights, forward,
+    autocast and matmul precision are what they were."""
+    import copy
+
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float().eval()
+    trainer = grpo_trainer(GRPOTrainer, model, folder, tmp_path, bf16=True)  # its accelerator: bf16 mixed precision
+    accelerator = trainer.accelerator
+    model = accelerator.prepare_model(trainer.model).eval()
+    ids = torch.randint(5, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    forward, handler, precision = model.forward, accelerator.autocast_handler, torch.get_float32_matmul_precision()
+    with torch.no_grad():
+        mixed = model(input_ids=ids).logits
+        with shared_prefix.computing_in(model, accelerator, torch.float32), accelerator.autocast():
+            inside = model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert inside.dtype == torch.float32 and (inside - expected).abs().max() <= 1e-6
+    assert (mixed.float() - expected).abs().max() > 1e-4  # what the block changes: bfloat16 is that far off
+    assert torch.equal(after, mixed)
+    assert model.forward == forward and accelerator.autocast_handler is handler
+    assert torch.get_float32_matmul_precision() == precision
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, weights[n]), n
 
 
 @pytest.mark.parametrize("reason", ["check fails"])

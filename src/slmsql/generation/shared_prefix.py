@@ -30,8 +30,10 @@ the same order and the same generate calls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -45,12 +47,13 @@ MASKED_ATTENTION = ("sdpa", "eager")
 # A generation batch's fields that carry images: the packed layout is text-only, so such a run stays on the plain path.
 MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
               "mm_token_type_ids")
-# The largest |log p(shared) - log p(plain)| the first step's self-check accepts, by the dtype the model computes
-# in. Measured on SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens,
-# 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
-# output is rounded to 8 mantissa bits at other points; a wrong mask 2.4-6.4 in both. float16 (3 more mantissa
-# bits than bfloat16, not measured: slmsql refuses it on a CPU) gets half of bfloat16's.
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 1.0, torch.float16: 0.5}
+# The largest |log p(shared) - log p(plain)| the self-check accepts. It compares in float32 (float64 for a float64
+# model) whatever the run computes in, as nothing but summation order separates the two paths there: measured on
+# SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens, 64-token
+# completions) float32 gives 2-3e-5 and a wrong mask 2.4-6.4. In bfloat16 the paths' own rounding is 0.24-0.44
+# there, so a tolerance that admits it would admit a bug worth most of a nat (a leaked segment on the tiny test
+# model moves log-probs by 0.04).
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 
 
 def _prefix_ones(mask: torch.Tensor) -> bool:
@@ -237,13 +240,41 @@ def shuffle_groups(batch: dict, group: int) -> dict | None:
     return {key: permute(value) for key, value in batch.items()}
 
 
-def compute_dtype(args, model) -> torch.dtype:
-    """The dtype the forward computes in: the trainer's mixed precision, else the weights'."""
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+def check_dtype(model) -> torch.dtype:
+    """The dtype the self-check computes in: float64 for a float64 model, else float32 (TOLERANCE)."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
+
+
+@contextlib.contextmanager
+def computing_in(model, accelerator, dtype: torch.dtype):
+    """`model`'s forwards in `dtype` inside the block, whatever the run's precision: its floating weights and buffers
+    cast in place (and back after it: bfloat16 or float16 -> float32 -> back is exact, and each tensor keeps its
+    identity, so the optimizer's references hold), autocast off (accelerate's `autocast()` handler, and the autocast
+    a prepared model's forward is wrapped in: accelerate keeps the unwrapped forward as `_original_forward`), and
+    float32 matmuls in full precision (no TF32 on a GPU). Holds a float32 copy of the weights meanwhile."""
+    from accelerate.utils import AutocastKwargs
+
+    cast = [(t, t.dtype) for t in itertools.chain(model.parameters(), model.buffers())
+            if t.is_floating_point() and t.dtype != dtype]
+    handler, forward = accelerator.autocast_handler, model.__dict__.get("forward")
+    wrapped = "_original_forward" in model.__dict__ and forward is not None
+    precision = torch.get_float32_matmul_precision()
+    try:
+        for t, _ in cast:
+            t.data = t.data.to(dtype)
+        accelerator.autocast_handler = AutocastKwargs(enabled=False)
+        if wrapped:
+            model.forward = model._original_forward
+        torch.set_float32_matmul_precision("highest")
+        with torch.autocast(accelerator.device.type, enabled=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        if wrapped:
+            model.forward = forward
+        accelerator.autocast_handler = handler
+        for t, original in cast:
+            t.data = t.data.to(original)
 
 
 def trainer_class(trainer_cls, on_state=None):
@@ -348,9 +379,9 @@ def trainer_class(trainer_cls, on_state=None):
 
         def _self_check(self, batch):
             """The first micro-batch of the first generation batch (per_device_train_batch_size rows, what one
-            forward of the loss sees) both ways, dropout off: the largest |log p| difference over its completion
-            tokens, the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain
-            path from here on."""
+            forward of the loss sees) both ways, in float32 whatever the run computes in (`computing_in`), dropout
+            off: the largest |log p| difference over its completion tokens, the same on every process (the largest
+            of them), logged; over TOLERANCE, the plain path from here on."""
             if any(batch.get(k) is not None for k in MULTIMODAL):
                 self._plain("multimodal inputs (the packed layout is text-only)")
                 return
@@ -359,10 +390,12 @@ def trainer_class(trainer_cls, on_state=None):
             attention_mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], dim=1)
             logits_to_keep = batch["completion_ids"].size(1)
             model = self.accelerator.unwrap_model(self.model)  # no DDP wrapper: nothing here is synchronised
+            dtype = check_dtype(model)
             was_training = model.training
             model.eval()  # dropout off: both computations see the same weights
             try:
-                with torch.no_grad(), disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
+                with torch.no_grad(), disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs), \
+                        computing_in(model, self.accelerator, dtype):
                     plain, _, _ = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                                             logits_to_keep)
                     shared, _ = self._shared(model, input_ids, attention_mask, logits_to_keep, None, False)
@@ -372,15 +405,14 @@ def trainer_class(trainer_cls, on_state=None):
             diff = (plain - shared).abs()[scored].max() if scored.any() else plain.new_zeros(())
             diff = float(self.accelerator.gather(diff.float().reshape(1)).max())
             self._metrics["train"]["shared_prefix/logp_max_abs_diff"].append(diff)
-            dtype = compute_dtype(self.args, model)
-            tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
+            tolerance, name = TOLERANCE[dtype], str(dtype).removeprefix("torch.")
             if not diff <= tolerance:  # NaN included
-                self._plain(f"the first step's self-check found log-probs {diff:.3g} apart (tolerance {tolerance:g} "
-                            f"in {str(dtype).removeprefix('torch.')})")
+                self._plain(f"the first step's self-check found log-probs {diff:.3g} apart in {name} (tolerance "
+                            f"{tolerance:g})")
                 return
             self._shared_prefix = "on"
             if on_state:
-                on_state(f"on: log-probs within {diff:.2g} of the plain path at the first step "
-                         f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})")
+                on_state(f"on: log-probs within {diff:.2g} of the plain path in {name} at the first step "
+                         f"(tolerance {tolerance:g})")
 
     return SharedPrefixTrainer
