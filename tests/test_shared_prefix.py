@@ -334,20 +334,61 @@ def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
         assert p.dtype == torch.bfloat16 and torch.equal(p, weights[n]), n
 
 
-@pytest.mark.parametrize("reason", ["check fails"])
+def windowed_lm(tmp_path, kind: str):
+    """A tiny random model with sliding-window layers, saved and loaded from a folder of its own (so its config
+    names it), the tiny model's tokenizer beside it: Qwen2 with `use_sliding_window` on its second layer, or
+    Mistral, whose `sliding_window` windows every layer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, Qwen2Config
+
+    folder = tmp_path / f"tiny-{kind}"
+    if not folder.exists():
+        _, tiny = tiny_lm(tmp_path)
+        dims = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, sliding_window=16)
+        config = (Qwen2Config(use_sliding_window=True, max_window_layers=1, **dims) if kind == "qwen2"
+                  else MistralConfig(**dims))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder), folder
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_sliding_window_models_fall_back_naming_the_model_and_why(tmp_path, kind):
+    """A model with sliding-window layers runs TRL's own path from the start, its tag naming the model and the
+    window; the tiny model (Qwen2, full attention everywhere) is not refused."""
+    from trl import GRPOTrainer
+
+    model, folder = windowed_lm(tmp_path, kind)
+    states = []
+    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    assert trainer._shared_prefix == "off"
+    (state,) = states
+    assert state.startswith(f"plain path: {folder} has sliding_attention layers (sliding_window 16)"), state
+    full, tiny = tiny_lm(tmp_path / "full")
+    assert shared_prefix.partial_attention(full) is None
+    assert grpo_trainer(shared_prefix.trainer_class(GRPOTrainer), full, tiny, tmp_path)._shared_prefix == "unchecked"
+
+
+@pytest.mark.parametrize("reason", ["check fails", "sliding window"])
 def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
     """After a fallback the run is TRL's: the same micro-batches in the same order (TRL's row shuffle, not the group
     shuffle), the same completions from the same generate calls (no shared prefill), at the first generation and
-    after it, as GRPOTrainer itself on the same weights and seed."""
+    after it, as GRPOTrainer itself on the same weights and seed. The fallback: a failed self-check (a leaked
+    segment), or a model refused from the start (sliding-window layers)."""
     from trl import GRPOTrainer
 
-    model, folder = tiny_lm(tmp_path)
+    def load(where):
+        return tiny_lm(where) if reason == "check fails" else windowed_lm(tmp_path, "qwen2")
+
+    model, folder = load(tmp_path)
     plain = grpo_trainer(GRPOTrainer, model, folder, tmp_path)
     plain_calls = decoder_calls(plain.model)
     expected = prepare(plain)
-    leaked(monkeypatch)
+    if reason == "check fails":
+        leaked(monkeypatch)
     states = []
-    model, folder = tiny_lm(tmp_path / "again")
+    model, folder = load(tmp_path / "again")
     trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
     calls, checked = decoder_calls(trainer.model), []
     check = trainer._self_check
@@ -360,6 +401,7 @@ def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
     trainer._self_check = spanned
     got = prepare(trainer)
     assert trainer._shared_prefix == "off" and len(states) == 1 and states[0].startswith("plain path: "), states
+    assert ("self-check" in states[0]) == (reason == "check fails") and len(checked) == 2 * (reason == "check fails")
     assert len(got) == len(expected) == 4
     for a, b in zip(got, expected):
         assert a.keys() == b.keys()
@@ -367,8 +409,8 @@ def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
             same = torch.equal(a[key], b[key]) if isinstance(b[key], torch.Tensor) else a[key] == b[key]
             assert same, key
     # the forwards TRL made (generation: each row's whole prompt, then a token at a time), and the check's between
-    start, end = checked
-    assert end - start == 2 and calls[:start] + calls[end:] == plain_calls
+    start, end = checked or (len(calls), len(calls))
+    assert end - start == len(checked) and calls[:start] + calls[end:] == plain_calls
 
 
 # ---- generation: each prompt prefilled once -----------------------------------------------------------------

@@ -159,6 +159,27 @@ def attention_implementation(model) -> str:
     return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
+def partial_attention(model) -> str | None:
+    """Why some layer of `model` would not attend as the packed layout's 4-D mask says, or None when every layer is
+    full attention. A sliding window (Mistral's `sliding_window`, Qwen2's `use_sliding_window`, Gemma's
+    `sliding_attention` layers) cannot be kept: transformers hands a ready 4-D mask to every layer as it is
+    (masking_utils), so a windowed layer would attend to all the packed mask allows, and in a packed row a
+    completion sits further from its prompt than in its plain row anyway. Other layer types (linear attention,
+    state-space, convolution) read no mask at all."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if not types and window and getattr(config, "use_sliding_window", True):
+        types = {"sliding_attention"}  # Mistral's: a window on every layer whenever sliding_window is set
+    other = sorted(types - {"full_attention"})
+    if not other:
+        return None
+    name = getattr(config, "_name_or_path", "") or config.model_type
+    return (f"{name} has {' and '.join(other)} layers" + (f" (sliding_window {window})" if window else "")
+            + ": the packed layout's 4-D mask would reach them unwindowed or not at all (shared prefix needs every "
+              "layer to be full attention)")
+
+
 def packed_logps(model, packing: Packing, compute_entropy: bool = False):
     """Per-token log-probs (and entropies) of the packing's completions in the plain layout, by TRL's fused LM head
     (`model(..., fused_lm_head=True)`: temperature and everything else as TRL set it up)."""
@@ -301,6 +322,8 @@ def trainer_class(trainer_cls, on_state=None):
             if impl not in MASKED_ATTENTION:
                 self._plain(f"attention implementation {impl} takes no custom 4-D mask (shared prefix needs one of "
                             f"{', '.join(MASKED_ATTENTION)})")
+            elif why := partial_attention(self.model):
+                self._plain(why)
 
         def _plain(self, why: str) -> None:
             self._shared_prefix = "off"
