@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -332,6 +333,65 @@ def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
     assert torch.get_float32_matmul_precision() == precision
     for n, p in model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, weights[n]), n
+
+
+def test_the_cost_model_counts_the_weights_each_forward_multiplies(tmp_path):
+    """The cost model's per-token term against torch's own count of the matmul FLOPs both forwards run (its
+    FlopCounterMode; it does not count the CPU's fused attention kernel, so that term is left out of both): within
+    3% (TRL's head skips each plain row's last position, which the model counts)."""
+    from accelerate import Accelerator
+    from torch.utils.flop_counter import FlopCounterMode
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, _ = tiny_lm(tmp_path)
+    add_fused_lm_head(model.eval(), temperature=0.8)
+    ids, mask, width = micro_batch(model.config.vocab_size)
+    packing = Packing.of(ids, mask, width)
+    linear, _ = shared_prefix.cost_dims(model)
+    trl = SimpleNamespace(accelerator=Accelerator(cpu=True))
+    with torch.no_grad(), FlopCounterMode(display=False) as plain:
+        GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__(trl, model, ids, mask, width)
+    with torch.no_grad(), FlopCounterMode(display=False) as packed:
+        shared_prefix.packed_logps(model, packing)
+    assert plain.get_total_flops() == pytest.approx(2 * linear * ids.numel(), rel=0.03)
+    assert packed.get_total_flops() == pytest.approx(2 * linear * packing.tokens, rel=0.03)
+
+
+def one_prompt_batch(vocab: int, prompt: int, group: int, completion: int) -> dict:
+    """A generation batch of one prompt's group, every completion `completion` tokens long, as TRL's fields."""
+    ids, mask, width = micro_batch(vocab, prompts=(prompt,), rows=("A",) * group, lengths=(completion,) * group,
+                                   width=completion)
+    plen = ids.size(1) - width
+    return {"prompt_ids": ids[:, :plen], "prompt_mask": mask[:, :plen], "completion_ids": ids[:, plen:],
+            "completion_mask": mask[:, plen:]}
+
+
+@pytest.mark.parametrize("shape", ["long prompt", "long completions"])
+def test_the_cost_model_falls_back_where_packing_costs_more(tmp_path, shape):
+    """A long prompt and short completions: the packed forward costs less and, the check passed, the run goes on
+    packed, its tag giving the cost. A 2-token prompt and 8 completions of 64: the packed row (521 tokens) pays
+    more attention than the 6 prompt tokens it saves, so the run falls back to TRL's path, saying so, without
+    computing the check's forwards."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path)
+    states = []
+    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+                           per_device_train_batch_size=8, num_generations=8, max_completion_length=64)
+    calls = decoder_calls(trainer.model)
+    batch = (one_prompt_batch(model.config.vocab_size, 60, 2, 4) if shape == "long prompt"
+             else one_prompt_batch(model.config.vocab_size, 2, 8, 64))
+    trainer._self_check(batch)
+    (ratio,) = trainer._metrics["train"]["shared_prefix/cost_ratio"]
+    (state,) = states
+    if shape == "long prompt":
+        assert ratio > 1 and trainer._shared_prefix == "on" and len(calls) == 2
+        assert state.startswith("on: ") and f"packed forward at {1 / ratio:.2f}x the plain path's FLOPs" in state
+    else:
+        assert ratio < 0.5 and trainer._shared_prefix == "off" and calls == []
+        assert state.startswith(f"plain path: the cost model puts the packed forward at {1 / ratio:.2f}x"), state
+        assert "8 rows of 66 tokens -> 1 packed rows of 521" in state
 
 
 def windowed_lm(tmp_path, kind: str):

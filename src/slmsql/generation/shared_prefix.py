@@ -54,6 +54,9 @@ MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_s
 # there, so a tolerance that admits it would admit a bug worth most of a nat (a leaked segment on the tiny test
 # model moves log-probs by 0.04).
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+# Whether the self-check also asks the cost model (`forward_flops`) and falls back where the packed forward would cost
+# more than the plain one. bench/grpo_prefix.py's `packed` arm turns it off, to time what it turns down.
+COST_MODEL = True
 
 
 def _prefix_ones(mask: torch.Tensor) -> bool:
@@ -152,6 +155,39 @@ class Packing:
         """Per-token values in the packed layout -> the plain layout (zeros where nothing is scored)."""
         out = packed.new_zeros(self.shape)
         return out.index_put((self.plain_rows, self.plain_cols), packed[self.rows, self.cols])
+
+
+def cost_dims(model) -> tuple[int, int]:
+    """`model`'s two costs for `forward_flops`: the weights every token is multiplied by (every matrix but the input
+    embedding, a lookup; the LM head counts, as TRL's fused head projects every position of a row, and so do LoRA's
+    matrices), and the FLOPs of one query-key pair over all layers (4 x heads x head_dim per layer: Q.K and the sum
+    of V)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    linear = sum(p.numel() for p in model.parameters() if p.ndim == 2 and p is not embedding)
+    if head is not None and head.weight is embedding:  # tied: the lookup's matrix is the head too
+        linear += embedding.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return linear, 4 * heads * head_dim * config.num_hidden_layers
+
+
+def forward_flops(rows: int, width: int, dims: tuple[int, int], causal: bool = False) -> float:
+    """A forward's FLOPs over `rows` rows of `width` tokens, padding included: each token through the weights
+    (2 x dims[0]), and each query-key pair of the attention (dims[1]) -- all width x width of them, as SDPA computes
+    under any explicit mask, or about half when `causal` (no padding: transformers drops the mask and SDPA's causal
+    kernels skip the future). The backward and a checkpointing recompute scale both terms alike, so comparing
+    forwards compares the step. A floor on work, not a clock: what either path pays beyond it (kernel efficiency at
+    its shapes, the packing's Python) is left out; both run the same kernels."""
+    linear, pair = dims
+    pairs = width * (width + 1) / 2 if causal else width * width
+    return rows * (2 * linear * width + pair * pairs)
+
+
+def forward_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Packing, dims) -> tuple[float, float]:
+    """(plain, packed) forward FLOPs of one micro-batch: TRL's rows as they are, and the packing of them."""
+    plain = forward_flops(*input_ids.shape, dims, causal=bool(attention_mask.all()))
+    return plain, forward_flops(*packing.input_ids.shape, dims)
 
 
 def attention_implementation(model) -> str:
@@ -317,7 +353,7 @@ def trainer_class(trainer_cls, on_state=None):
     class SharedPrefixTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._shared_prefix = "unchecked"
+            self._shared_prefix, self._cost_ratio = "unchecked", None
             impl = attention_implementation(self.model)
             if impl not in MASKED_ATTENTION:
                 self._plain(f"attention implementation {impl} takes no custom 4-D mask (shared prefix needs one of "
@@ -413,6 +449,22 @@ def trainer_class(trainer_cls, on_state=None):
             attention_mask = torch.cat([batch["prompt_mask"][rows], batch["completion_mask"][rows]], dim=1)
             logits_to_keep = batch["completion_ids"].size(1)
             model = self.accelerator.unwrap_model(self.model)  # no DDP wrapper: nothing here is synchronised
+            packing = Packing.of(input_ids, attention_mask, logits_to_keep, self._tokenizer.pad_token_id or 0)
+            if packing is None:
+                self._plain("the first micro-batch is not TRL's (left-padded prompt | right-padded completion) layout")
+                return
+            # the cost model, summed over every process so that all decide alike
+            costs = self.accelerator.gather(torch.tensor(
+                [forward_costs(input_ids, attention_mask, packing, cost_dims(model))], dtype=torch.float64,
+                device=input_ids.device)).sum(0).tolist()
+            self._cost_ratio = costs[0] / costs[1]
+            self._metrics["train"]["shared_prefix/cost_ratio"].append(self._cost_ratio)
+            if COST_MODEL and self._cost_ratio <= 1:
+                self._plain(f"the cost model puts the packed forward at {1 / self._cost_ratio:.2f}x the plain path's "
+                            f"FLOPs on the first micro-batch ({input_ids.size(0)} rows of {input_ids.size(1)} tokens "
+                            f"-> {packing.input_ids.size(0)} packed rows of {packing.input_ids.size(1)}): attention "
+                            "over the long packed rows costs more than the repeated prompts it saves")
+                return
             dtype = check_dtype(model)
             was_training = model.training
             model.eval()  # dropout off: both computations see the same weights
@@ -436,6 +488,7 @@ def trainer_class(trainer_cls, on_state=None):
             self._shared_prefix = "on"
             if on_state:
                 on_state(f"on: log-probs within {diff:.2g} of the plain path in {name} at the first step "
-                         f"(tolerance {tolerance:g})")
+                         f"(tolerance {tolerance:g}); the packed forward at {1 / self._cost_ratio:.2f}x the plain "
+                         "path's FLOPs there (cost model)")
 
     return SharedPrefixTrainer
