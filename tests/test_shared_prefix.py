@@ -707,15 +707,7 @@ def test_vllm_rollouts_are_scored_with_the_shared_prefix(policy, runs, monkeypat
 
 @pytest.mark.slow
 def test_a_failed_self_check_falls_back_to_the_plain_path(policy, runs, monkeypatch):
-    of = Packing.of
-
-    def wrong(*a, **k):
-        p = of(*a, **k)
-        if p is not None:
-            p.segment = p.segment.clamp(max=1)
-        return p
-
-    monkeypatch.setattr(Packing, "of", wrong)
+    leaked(monkeypatch)
     run, history, shared = run_grpo(policy, runs, "fallback", True, monkeypatch)
     monkeypatch.undo()
     _, _, plain = run_grpo(policy, runs, "fallback", False, monkeypatch)
