@@ -174,6 +174,8 @@ def trainer_for(tmp_path, shared: bool = True, on_state=None, fresh: bool = Fals
         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=lora(0.05))
     if not fresh:  # as after a step: PEFT's zero B would make merged and unmerged one model trivially
         randomize(trainer.model)
+    if shared:  # as after the first step's self-check (tests/test_shared_prefix.py): the shared prefill is on
+        trainer._shared_prefix = "on"
     return trainer
 
 
