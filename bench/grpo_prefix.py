@@ -13,8 +13,8 @@ times, and the speed-ups are ratios of times per step.
 
 Arms: `shared` is `--shared-prefix true` as a run decides it (on, or TRL's path where the first step's cost model
 puts the packed forward above the plain one: its tag, `shared_prefix/cost_ratio` and whether it ran packed are
-reported); `packed` is the same with the cost model off (shared_prefix.COST_MODEL), to time what the cost model
-turns down; `plain` is `--shared-prefix false`; `merged` is `shared` with `--merged-rollouts`.
+reported); `packed` is the same with the cost model off (shared_prefix_trainer.COST_MODEL), to time what
+the cost model turns down; `plain` is `--shared-prefix false`; `merged` is `shared` with `--merged-rollouts`.
 
 Tokens: per micro-batch the loss saw, `plain` = rows x width (what TRL's forward computes, padding included) and
 `shared` = the packed layout's tokens (shared_prefix.Packing); `token_ratio` = plain / shared, the bound a perfect
@@ -116,10 +116,10 @@ def prefix_state(arm: str) -> dict:
     (plain over packed forward FLOPs on the first micro-batch) and whether it ran packed."""
     import mlflow
 
-    from slmsql.generation import shared_prefix
+    from slmsql.training import shared_prefix_trainer
 
     run = mlflow.search_runs(search_all_experiments=True, output_format="list", order_by=["start_time DESC"])[0]
-    tag = run.data.tags.get(shared_prefix.TAG, "")
+    tag = run.data.tags.get(shared_prefix_trainer.TAG, "")
     cost = run.data.metrics.get("shared_prefix/cost_ratio")
     return {"tag": tag, "cost_ratio": None if cost is None else round(cost, 2), "ran_packed": tag.startswith("on: ")}
 
@@ -148,8 +148,8 @@ def main(argv=None):
     from grpo_backends import run, toy_questions
 
     from slmsql import configs
-    from slmsql.generation import shared_prefix
     from slmsql.policy.models import load_tokenizer
+    from slmsql.training import shared_prefix_trainer
 
     overrides = {k: v for k, v in (("prompt_style", args.prompt_style), ("example_values", args.example_values))
                  if v not in ("", None)}
@@ -182,12 +182,12 @@ def main(argv=None):
               f"{args.warmup} warm-up + {args.steps} timed steps per arm", flush=True)
         for arm in arms:
             counter = Tokens()
-            shared_prefix.COST_MODEL = arm != "packed"
+            shared_prefix_trainer.COST_MODEL = arm != "packed"
             try:
                 r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged"}, args,
                         root, inputs_hook=counter)
             finally:
-                shared_prefix.COST_MODEL = True
+                shared_prefix_trainer.COST_MODEL = True
             r.update(prefix_state(arm))
             if arm == "merged":
                 r["merged_logprob_gap"] = merged_gap()

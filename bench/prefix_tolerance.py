@@ -1,6 +1,6 @@
 """What the shared-prefix self-check measures, per dtype: max |log p(shared) - log p(plain)| over the completion
 tokens of a micro-batch, beside the same statistic with a wrong mask (completions that see each other), on a real
-model. `slmsql.generation.shared_prefix.TOLERANCE` (float32) is set between the two; bfloat16 shows why the check
+model. `slmsql.training.shared_prefix_trainer.TOLERANCE` (float32) is set between the two; bfloat16 shows why the check
 computes in float32 whatever the run's precision: its own rounding there comes near what a wrong mask moves.
 
 Micro-batches: 3 prompts of random tokens (300, 220 and 260 tokens, left-padded) in 6 rows (a group cut by the
@@ -49,7 +49,8 @@ def main(argv=None):
     from trl import GRPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
-    from slmsql.generation.shared_prefix import TOLERANCE, Packing, packed_logps
+    from slmsql.generation.shared_prefix import Packing, packed_logps
+    from slmsql.training.shared_prefix_trainer import TOLERANCE
 
     plain_path = GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__  # TRL's, without its profiler
     trainer = types.SimpleNamespace(accelerator=Accelerator(cpu=not torch.cuda.is_available()))

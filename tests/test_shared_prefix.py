@@ -1,4 +1,5 @@
-"""Shared-prefix GRPO (slmsql.shared_prefix): each distinct prompt of a micro-batch computed once, the same maths.
+"""Shared-prefix GRPO (slmsql.generation.shared_prefix, slmsql.training.shared_prefix_trainer): each distinct
+prompt of a micro-batch computed once, the same maths.
 
 Fast, on a small random model: the packed layout of hand-built micro-batches (left-padded prompts of different
 lengths, several prompts, groups cut by the micro-batch, completions that end early or are empty), per-token
@@ -38,6 +39,8 @@ from test_vllm import vllm_ready  # noqa: F401  (fixture: vLLM installed, or a C
 from slmsql import configs
 from slmsql.generation import shared_prefix
 from slmsql.generation.shared_prefix import Packing
+from slmsql.training import shared_prefix_trainer
+from slmsql.training.shared_prefix_trainer import trainer_class as Shared
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -113,7 +116,7 @@ def trainer_for(model, folder, tmp_path, lora: bool = True, checkpointing: bool 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                       gradient_checkpointing=checkpointing, temperature=0.8)
-    trainer = shared_prefix.trainer_class(GRPOTrainer)(
+    trainer = shared_prefix_trainer.trainer_class(GRPOTrainer)(
         model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
         train_dataset=Dataset.from_list([{"prompt": "q"}] * 4), processing_class=AutoTokenizer.from_pretrained(folder),
         peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
@@ -261,7 +264,7 @@ def test_the_self_check_forwards_one_micro_batch_of_the_first_generation(tmp_pat
     from trl import GRPOTrainer
 
     model, folder = tiny_lm(tmp_path)
-    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer), model, folder, tmp_path)
+    trainer = grpo_trainer(Shared(GRPOTrainer), model, folder, tmp_path)
     calls, checked = decoder_calls(trainer.model), []
     check = trainer._self_check
 
@@ -288,7 +291,7 @@ def test_the_self_check_catches_under_bf16_what_bf16_rounding_hides(tmp_path, mo
 
     model, folder = tiny_lm(tmp_path, dtype=torch.bfloat16 if bf16 == "weights" else torch.float32)
     states = []
-    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
                            bf16=bf16 == "autocast")
     if bf16 == "autocast":
         trainer.accelerator.prepare_model(trainer.model)  # as train() does: its forward runs under autocast now
@@ -297,7 +300,7 @@ def test_the_self_check_catches_under_bf16_what_bf16_rounding_hides(tmp_path, mo
     leaked(monkeypatch)
     prepare(trainer, generations=1)
     (diff,) = trainer._metrics["train"]["shared_prefix/logp_max_abs_diff"]
-    assert shared_prefix.TOLERANCE[torch.float32] < diff < 0.2, diff
+    assert shared_prefix_trainer.TOLERANCE[torch.float32] < diff < 0.2, diff
     assert trainer._shared_prefix == "off" and states[0].startswith("plain path: the first step's self-check")
     assert "in float32" in states[0]
     for n, p in trainer.model.named_parameters():
@@ -322,7 +325,7 @@ def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
     forward, handler, precision = model.forward, accelerator.autocast_handler, torch.get_float32_matmul_precision()
     with torch.no_grad():
         mixed = model(input_ids=ids).logits
-        with shared_prefix.computing_in(model, accelerator, torch.float32), accelerator.autocast():
+        with shared_prefix_trainer.computing_in(model, accelerator, torch.float32), accelerator.autocast():
             inside = model(input_ids=ids).logits
         expected = reference(input_ids=ids).logits
         after = model(input_ids=ids).logits
@@ -377,7 +380,7 @@ def test_the_cost_model_falls_back_where_packing_costs_more(tmp_path, shape):
 
     model, folder = tiny_lm(tmp_path)
     states = []
-    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
                            per_device_train_batch_size=8, num_generations=8, max_completion_length=64)
     calls = decoder_calls(trainer.model)
     batch = (one_prompt_batch(model.config.vocab_size, 60, 2, 4) if shape == "long prompt"
@@ -421,13 +424,13 @@ def test_sliding_window_models_fall_back_naming_the_model_and_why(tmp_path, kind
 
     model, folder = windowed_lm(tmp_path, kind)
     states = []
-    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
     assert trainer._shared_prefix == "off"
     (state,) = states
     assert state.startswith(f"plain path: {folder} has sliding_attention layers (sliding_window 16)"), state
     full, tiny = tiny_lm(tmp_path / "full")
     assert shared_prefix.partial_attention(full) is None
-    assert grpo_trainer(shared_prefix.trainer_class(GRPOTrainer), full, tiny, tmp_path)._shared_prefix == "unchecked"
+    assert grpo_trainer(Shared(GRPOTrainer), full, tiny, tmp_path)._shared_prefix == "unchecked"
 
 
 @pytest.mark.parametrize("reason", ["check fails", "sliding window"])
@@ -449,7 +452,7 @@ def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
         leaked(monkeypatch)
     states = []
     model, folder = load(tmp_path / "again")
-    trainer = grpo_trainer(shared_prefix.trainer_class(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
     calls, checked = decoder_calls(trainer.model), []
     check = trainer._self_check
 
@@ -661,12 +664,12 @@ def test_a_run_ends_where_the_plain_path_ends(policy, runs, monkeypatch, name):
     run, history, shared = run_grpo(policy, runs, name, True, monkeypatch, **over)
     plain_run, plain_history, plain = run_grpo(policy, runs, name, False, monkeypatch, **over)
     assert run.data.params["shared_prefix"] == "true" and plain_run.data.params["shared_prefix"] == "false"
-    assert run.data.tags[shared_prefix.TAG].startswith("on: "), run.data.tags.get(shared_prefix.TAG)
+    assert run.data.tags[shared_prefix_trainer.TAG].startswith("on: "), run.data.tags.get(shared_prefix_trainer.TAG)
     (_, diff), = history["shared_prefix/logp_max_abs_diff"]
-    assert diff <= shared_prefix.TOLERANCE[torch.float32]
+    assert diff <= shared_prefix_trainer.TOLERANCE[torch.float32]
     ratios = [v for _, v in history["shared_prefix/token_ratio"]]
     assert len(ratios) >= STEPS and min(ratios) > 1.5  # the training forward really computed less
-    assert shared_prefix.TAG not in plain_run.data.tags and not plain_history["shared_prefix/token_ratio"]
+    assert shared_prefix_trainer.TAG not in plain_run.data.tags and not plain_history["shared_prefix/token_ratio"]
     losses, plain_losses = [v for _, v in history["loss"]], [v for _, v in plain_history["loss"]]
     assert len(losses) == len(plain_losses) == STEPS
     assert losses == pytest.approx(plain_losses, rel=1e-3, abs=1e-5)
@@ -697,7 +700,7 @@ def test_vllm_rollouts_are_scored_with_the_shared_prefix(policy, runs, monkeypat
     over = {"backend": "vllm", "max_steps": 1, "rewards": ["execution", "format", "ngram"]}
     run, history, shared = run_grpo(policy, runs, "vllm", True, monkeypatch, **over)
     plain_run, plain_history, plain = run_grpo(policy, runs, "vllm", False, monkeypatch, **over)
-    assert run.data.tags[shared_prefix.TAG].startswith("on: ") and run.data.params["backend"] == "vllm"
+    assert run.data.tags[shared_prefix_trainer.TAG].startswith("on: ") and run.data.params["backend"] == "vllm"
     (_, gap), = history["sampling/sampling_logp_difference/max"]
     assert gap < 1e-3  # engine vs policy, both sides computing the same thing (tests/test_vllm_grpo.py's bound)
     assert [v for _, v in history["loss"]] == pytest.approx([v for _, v in plain_history["loss"]], rel=1e-3, abs=1e-5)
@@ -711,10 +714,10 @@ def test_a_failed_self_check_falls_back_to_the_plain_path(policy, runs, monkeypa
     run, history, shared = run_grpo(policy, runs, "fallback", True, monkeypatch)
     monkeypatch.undo()
     _, _, plain = run_grpo(policy, runs, "fallback", False, monkeypatch)
-    tag = run.data.tags[shared_prefix.TAG]
+    tag = run.data.tags[shared_prefix_trainer.TAG]
     assert tag.startswith("plain path: the first step's self-check found log-probs"), tag
     (_, diff), = history["shared_prefix/logp_max_abs_diff"]
-    assert diff > shared_prefix.TOLERANCE[torch.float32]
+    assert diff > shared_prefix_trainer.TOLERANCE[torch.float32]
     assert not history["shared_prefix/token_ratio"]  # nothing was computed the shared way
     assert update_gap(shared, plain, None)[1] <= 1e-4, "after the fallback the run is the plain path's"
 
@@ -735,6 +738,6 @@ def test_the_command_line_logs_the_self_check(policy, runs, tmp_path):
         runs_ = {r.info.run_name: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
     on, off = runs_["true"], runs_["false"]
     assert on.data.params["shared_prefix"] == "true" and off.data.params["shared_prefix"] == "false"
-    assert on.data.metrics["shared_prefix/logp_max_abs_diff"] <= shared_prefix.TOLERANCE[torch.float32]
-    assert on.data.tags[shared_prefix.TAG].startswith("on: ")
-    assert "shared_prefix/logp_max_abs_diff" not in off.data.metrics and shared_prefix.TAG not in off.data.tags
+    assert on.data.metrics["shared_prefix/logp_max_abs_diff"] <= shared_prefix_trainer.TOLERANCE[torch.float32]
+    assert on.data.tags[shared_prefix_trainer.TAG].startswith("on: ")
+    assert "shared_prefix/logp_max_abs_diff" not in off.data.metrics and shared_prefix_trainer.TAG not in off.data.tags
