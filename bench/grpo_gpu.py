@@ -227,14 +227,15 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         clock = Clock(cuda)
         trainer_cls = GRPOTrainer
         if arm == "shared":  # as slmsql.stages.grpo.main builds it with --shared-prefix true
-            from slmsql.generation import shared_prefix
+            from slmsql.training import shared_prefix_trainer
 
-            trainer_cls = shared_prefix.trainer_class(GRPOTrainer)
+            trainer_cls = shared_prefix_trainer.trainer_class(GRPOTrainer)
         if arm == "vllm-lora":  # as slmsql.stages.grpo.main builds it for --backend vllm
             from slmsql.generation import vllm_rollouts
+            from slmsql.training import vllm_trainer
 
             cfg = dataclasses.replace(cfg, model=model_path, backend="vllm", seed=args.seed)
-            trainer_cls = vllm_rollouts.trainer_class(GRPOTrainer, vllm_rollouts.Rollouts(
+            trainer_cls = vllm_trainer.trainer_class(GRPOTrainer, vllm_rollouts.Rollouts(
                 cfg, model_path, args.prompt_len, tokenizer, Path(out)))
         trainer = trainer_cls(model=model, reward_funcs=random_reward(args.seed), args=config,
                               train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
@@ -280,7 +281,8 @@ def run_arm(arm: str, args, prompts, tokenizer, device, model_path) -> dict:
         "peak_gpu_gib": round(peak, 2) if peak is not None else "n/a",
         "completion_lengths_seen": lengths,
         "fixed_length": lengths == [args.completion_len],
-        # the shared arm's first-step self-check (shared_prefix.TOLERANCE), in the arm's precision
+        # the shared arm's first-step self-check (shared_prefix_trainer.TOLERANCE), in float32 whatever the arm
+        # computes in
         "shared_prefix_logp_max_abs_diff": next((h[k] for h in logs for k in h
                                                  if k == "shared_prefix/logp_max_abs_diff"), None),
     }

@@ -3,11 +3,18 @@ and, as arm `merged`, the shared prefix with the rollouts sampled merged (`--mer
 
 Model and shape: SmolLM2-135M-Instruct by its Hub id at the SmolLM2 study's GRPO (recipes/smollm2-135m/grpo.yaml:
 LoRA r16 all-linear, gradient checkpointing, G = 4, 2 prompts a step, 64-token budget, compact prompts) on the toy
-world's first rl_source questions; `--prompt-style`, `--example-values` and `--num-generations` change the shape
-(2 prompts a step: the batch is 2 x G). Each arm runs the grpo stage itself (bench/grpo_backends.py's `run`) for
-`--warmup` + `--steps` steps, same seed; medians over the timed steps of step, generate and train (as grpo_backends
-defines them). Sampled completions differ between the arms after the first step (the prefill's float order), so
-the tokens each arm computed are reported beside its times, and the speed-ups are ratios of times per step.
+world's first rl_source questions; `--prompt-style`, `--example-values`, `--num-generations` and
+`--max-completion-length` change the shape (2 prompts a step: the batch is 2 x G; the seed's shape is omnisql
+prompts with 3 example values, G = 8, 256-token completions: bench/README.md has the command). Each arm runs the
+grpo stage itself (bench/grpo_backends.py's `run`) for `--warmup` + `--steps` steps, same seed; medians over the
+timed steps of step, generate and train (as grpo_backends defines them). Sampled completions differ between the
+arms after the first step (the prefill's float order), so the tokens each arm computed are reported beside its
+times, and the speed-ups are ratios of times per step.
+
+Arms: `shared` is `--shared-prefix true` as a run decides it (on, or TRL's path where the first step's cost model
+puts the packed forward above the plain one: its tag, `shared_prefix/cost_ratio` and whether it ran packed are
+reported); `packed` is the same with the cost model off (shared_prefix_trainer.COST_MODEL), to time what
+the cost model turns down; `plain` is `--shared-prefix false`; `merged` is `shared` with `--merged-rollouts`.
 
 Tokens: per micro-batch the loss saw, `plain` = rows x width (what TRL's forward computes, padding included) and
 `shared` = the packed layout's tokens (shared_prefix.Packing); `token_ratio` = plain / shared, the bound a perfect
@@ -83,12 +90,12 @@ class Tokens:
                            "completion": int(inputs["completion_mask"].sum()), "rows": ids.size(0)})
 
 
-def floor_seconds(t: dict, arm: str, shape: dict, rate: float, checkpointing: bool) -> dict:
-    """The weights' matmul FLOPs of one micro-batch for `arm`, over `rate` (module docstring)."""
+def floor_seconds(t: dict, packed: bool, shape: dict, rate: float, checkpointing: bool) -> dict:
+    """The weights' matmul FLOPs of one step's micro-batches, packed or not, over `rate` (module docstring)."""
     n, head = shape["linear_params"], shape["vocab"] * shape["hidden"]
-    computed = t["shared"] if arm == "shared" else t["plain"]
+    computed = t["shared"] if packed else t["plain"]
     train = (6 if checkpointing else 4) * n * computed + 3 * 2 * head * t["completion"]
-    prefill = t["distinct_prompt"] if arm == "shared" else t["prompt"]
+    prefill = t["distinct_prompt"] if packed else t["prompt"]
     generate = 2 * n * (prefill + t["completion"]) + 2 * head * t["completion"]
     return {"train": train / rate, "generate": generate / rate}
 
@@ -104,6 +111,19 @@ def merged_gap() -> float | None:
     return run.data.metrics.get(METRIC)
 
 
+def prefix_state(arm: str) -> dict:
+    """The arm's run as the shared prefix left it (the newest run in the store): its tag, the cost model's figure
+    (plain over packed forward FLOPs on the first micro-batch) and whether it ran packed."""
+    import mlflow
+
+    from slmsql.training import shared_prefix_trainer
+
+    run = mlflow.search_runs(search_all_experiments=True, output_format="list", order_by=["start_time DESC"])[0]
+    tag = run.data.tags.get(shared_prefix_trainer.TAG, "")
+    cost = run.data.metrics.get("shared_prefix/cost_ratio")
+    return {"tag": tag, "cost_ratio": None if cost is None else round(cost, 2), "ran_packed": tag.startswith("on: ")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per arm")
@@ -113,9 +133,14 @@ def main(argv=None):
     ap.add_argument("--prompt-style", default="", help="compact or omnisql (default: the recipe's)")
     ap.add_argument("--example-values", type=int, default=None, help="omnisql example values per column")
     ap.add_argument("--num-generations", type=int, default=0, help="G (default: the recipe's); 2 prompts a step")
-    ap.add_argument("--arms", default="shared,plain", help="of shared, plain and merged (shared + merged rollouts)")
+    ap.add_argument("--max-completion-length", type=int, default=0, help="completion budget (default: the recipe's)")
+    ap.add_argument("--arms", default="shared,plain",
+                    help="of shared, packed (cost model off), plain and merged (shared + merged rollouts)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if unknown := sorted(set(arms) - {"shared", "packed", "plain", "merged"}):
+        ap.error(f"--arms: unknown {unknown} (shared, packed, plain, merged)")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
     import transformers
@@ -124,11 +149,14 @@ def main(argv=None):
 
     from slmsql import configs
     from slmsql.policy.models import load_tokenizer
+    from slmsql.training import shared_prefix_trainer
 
     overrides = {k: v for k, v in (("prompt_style", args.prompt_style), ("example_values", args.example_values))
                  if v not in ("", None)}
     if args.num_generations:
         overrides.update(num_generations=args.num_generations, per_device_train_batch_size=2 * args.num_generations)
+    if args.max_completion_length:
+        overrides.update(max_completion_length=args.max_completion_length)
     cfg = configs.load(configs.GRPOStageConfig, str(args.recipe), {**overrides,
                                                                   **({"model": args.model} if args.model else {})})
     checkpointing = bool(cfg.trainer_args.get("gradient_checkpointing"))
@@ -142,47 +170,55 @@ def main(argv=None):
     rate = gemm_rate(hidden, config.intermediate_size)
     load_tokenizer(cfg.model)  # fail before any arm runs if the model is not there
     results, tokens = {}, {}
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    micro = cfg.gradient_accumulation_steps  # micro-batches the loss sees per optimizer step
     with tempfile.TemporaryDirectory(prefix="slmsql-bench-grpo-prefix-") as tmp:
         root = Path(tmp)
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
         toy_questions(root)
-        print(f"{cfg.model}: G {cfg.num_generations}, {cfg.per_device_train_batch_size} completions a step, "
+        print(f"{cfg.model}: G {cfg.num_generations}, {cfg.per_device_train_batch_size * micro} completions a step, "
               f"{cfg.max_completion_length}-token budget, {cfg.prompt_style} prompts ({cfg.example_values} example "
               f"values), gradient checkpointing {checkpointing}; torch {torch.__version__} "
               f"({torch.get_num_threads()} threads), trl {trl.__version__}; fp32 GEMM {rate / 1e9:.1f} GFLOP/s; "
               f"{args.warmup} warm-up + {args.steps} timed steps per arm", flush=True)
         for arm in arms:
             counter = Tokens()
-            r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged"}, args, root,
-                    inputs_hook=counter)
+            shared_prefix_trainer.COST_MODEL = arm != "packed"
+            try:
+                r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged"}, args,
+                        root, inputs_hook=counter)
+            finally:
+                shared_prefix_trainer.COST_MODEL = True
+            r.update(prefix_state(arm))
             if arm == "merged":
                 r["merged_logprob_gap"] = merged_gap()
-            timed = counter.steps[args.warmup:]  # one micro-batch per step at gradient_accumulation_steps 1
-            t = {k: round(statistics.median(s[k] for s in timed)) for k in timed[0]}
-            floor = floor_seconds(t, "plain" if arm == "plain" else "shared", shape, rate, checkpointing)
+            packed = r["ran_packed"]
+            # a micro-batch's median (one a step at gradient_accumulation_steps 1) times a step's micro-batches
+            timed = counter.steps[args.warmup * micro:]
+            t = {k: round(statistics.median(s[k] for s in timed)) * micro for k in timed[0]}
+            floor = floor_seconds(t, packed, shape, rate, checkpointing)
             r.update(tokens=t, floor_train_s=float(f"{floor['train']:.3g}"),
                      floor_generate_s=float(f"{floor['generate']:.3g}"))
             results[arm], tokens[arm] = r, t
             print(f"{arm:7s} step {r['step_s']:6.2f} s = generate {r['generate_s']:.2f} + score {r['score_s']:.2f} + "
                   f"train {r['train_s']:.2f}; floor: train {r['floor_train_s']:.2f}, generate "
                   f"{r['floor_generate_s']:.2f}; tokens/step: rows x width {t['plain']}, computed "
-                  f"{t['plain'] if arm == 'plain' else t['shared']}, prompt {t['prompt']} ({t['distinct_prompt']} "
-                  f"distinct), completion {t['completion']}", flush=True)
+                  f"{t['shared'] if packed else t['plain']}, prompt {t['prompt']} ({t['distinct_prompt']} "
+                  f"distinct), completion {t['completion']}" + (f"; {r['tag']}" if r["tag"] else ""), flush=True)
     out = {"model": cfg.model, "num_generations": cfg.num_generations, "prompt_style": cfg.prompt_style,
-           "example_values": cfg.example_values, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-           "torch_threads": torch.get_num_threads(), "gemm_gflops": round(rate / 1e9, 1),
-           "warmup": args.warmup, "steps": args.steps, "arms": results}
-    if {"shared", "plain"} <= set(results):
-        s, p = results["shared"], results["plain"]
-        out.update(step_speedup=round(p["step_s"] / s["step_s"], 2),
-                   train_speedup=round(p["train_s"] / s["train_s"], 2),
-                   generate_speedup=round(p["generate_s"] / s["generate_s"], 2),
-                   token_ratio=round(tokens["shared"]["plain"] / tokens["shared"]["shared"], 2),
-                   shared_train_over_floor=round(s["train_s"] / s["floor_train_s"], 1))
-        print(f"shared / plain: step {out['step_speedup']}x, train {out['train_speedup']}x, generate "
-              f"{out['generate_speedup']}x; token ratio {out['token_ratio']}; shared train at "
-              f"{out['shared_train_over_floor']}x its floor")
+           "example_values": cfg.example_values, "max_completion_length": cfg.max_completion_length,
+           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+           "gemm_gflops": round(rate / 1e9, 1), "warmup": args.warmup, "steps": args.steps, "arms": results}
+    for arm in [a for a in ("shared", "packed") if a in results and "plain" in results]:
+        s, p = results[arm], results["plain"]
+        prefix = "" if arm == "shared" else "packed_"  # the shared arm's keys as they were before the packed arm
+        out.update({f"{prefix}step_speedup": round(p["step_s"] / s["step_s"], 2),
+                    f"{prefix}train_speedup": round(p["train_s"] / s["train_s"], 2),
+                    f"{prefix}generate_speedup": round(p["generate_s"] / s["generate_s"], 2),
+                    f"{prefix}token_ratio": round(tokens[arm]["plain"] / tokens[arm]["shared"], 2),
+                    f"{arm}_train_over_floor": round(s["train_s"] / s["floor_train_s"], 1)})
+        print(f"{arm} / plain: step {out[f'{prefix}step_speedup']}x, train {out[f'{prefix}train_speedup']}x, "
+              f"generate {out[f'{prefix}generate_speedup']}x; token ratio {out[f'{prefix}token_ratio']}; "
+              f"cost model {s['cost_ratio']}; {arm} train at {out[f'{arm}_train_over_floor']}x its floor")
     if {"shared", "merged"} <= set(results):
         s, m = results["shared"], results["merged"]
         out["merged_over_shared"] = {k: round(s[f"{k}_s"] / m[f"{k}_s"], 2) for k in ("step", "generate", "train")}

@@ -8,6 +8,7 @@ keeps the refusals and the scripts' pure parts (shapes, prompts, batching).
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,19 +184,29 @@ def test_grpo_prefix_bench_times_both_arms_and_counts_their_tokens(tmp_path):
 
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
                              hidden=32, layers=1, heads=2, ffn=64)
-    fig = run_bench("grpo_prefix.py", "--model", str(model), "--steps", "1", "--warmup", "1", "--num-generations", "2")
-    assert set(fig["arms"]) == {"shared", "plain"} and fig["num_generations"] == 2
-    shared, plain = fig["arms"]["shared"], fig["arms"]["plain"]
-    for arm in (shared, plain):
+    fig = run_bench("grpo_prefix.py", "--model", str(model), "--steps", "1", "--warmup", "1", "--num-generations", "2",
+                    "--max-completion-length", "12", "--arms", "shared,packed,plain")
+    assert set(fig["arms"]) == {"shared", "packed", "plain"} and fig["num_generations"] == 2
+    assert fig["max_completion_length"] == 12
+    shared, packed, plain = fig["arms"]["shared"], fig["arms"]["packed"], fig["arms"]["plain"]
+    for arm in (shared, packed, plain):
         assert arm["steps"] == 2
         assert arm["generate_s"] + arm["score_s"] + arm["train_s"] == pytest.approx(arm["step_s"], abs=2e-3)
         assert arm["tokens"]["rows"] == 4 and arm["floor_train_s"] > 0 and arm["floor_generate_s"] > 0
+        assert all(n <= 4 * 12 for n in arm["completion_tokens_per_step"])  # the budget reached the run
+    # each arm's run as the shared prefix left it: the cost model asked on the same first micro-batch (the first
+    # generation is TRL's in every arm), packed in both prefix arms here (long prompts, 12-token completions)
+    assert shared["ran_packed"] and packed["ran_packed"] and not plain["ran_packed"] and plain["tag"] == ""
+    assert shared["cost_ratio"] == packed["cost_ratio"] > 1
+    at = float(re.search(r"the packed forward at ([0-9.]+)x the plain path's FLOPs", shared["tag"]).group(1))
+    quotient(at, 1, shared["cost_ratio"], 2, den_digits=2)  # the tag's figure is the logged one's reciprocal
     # the token counts are of the micro-batch the loss saw: the packed layout computes each prompt once
     assert shared["tokens"]["shared"] < shared["tokens"]["plain"]
     assert shared["tokens"]["distinct_prompt"] * 2 == shared["tokens"]["prompt"]  # 2 prompts x G = 2 each
     assert fig["token_ratio"] == round(shared["tokens"]["plain"] / shared["tokens"]["shared"], 2) > 1
-    for key in ("step", "train", "generate"):  # plain over shared, as reported
+    for key in ("step", "train", "generate"):  # plain over shared, and over packed, as reported
         quotient(fig[f"{key}_speedup"], plain[f"{key}_s"], shared[f"{key}_s"], 2, 3, 3)
+        quotient(fig[f"packed_{key}_speedup"], plain[f"{key}_s"], packed[f"{key}_s"], 2, 3, 3)
 
 
 @pytest.mark.slow  # trains a tiny model 3 steps on each arm

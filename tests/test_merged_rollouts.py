@@ -23,7 +23,8 @@ from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (t
 
 from slmsql import configs
 from slmsql.errors import SlmsqlError
-from slmsql.generation import merged_rollouts, shared_prefix
+from slmsql.generation import merged_rollouts
+from slmsql.training import shared_prefix_trainer
 
 GAP_TOL = 1e-4  # float32: measured 0 to ~1e-6 on these models
 
@@ -166,7 +167,7 @@ def trainer_for(tmp_path, shared: bool = True, on_state=None, fresh: bool = Fals
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=8, temperature=0.8,
                       disable_dropout=True)
-    cls = shared_prefix.trainer_class(GRPOTrainer) if shared else GRPOTrainer
+    cls = shared_prefix_trainer.trainer_class(GRPOTrainer) if shared else GRPOTrainer
     torch.manual_seed(0)
     trainer = merged_rollouts.trainer_class(cls, on_state)(
         model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=[lambda completions, **_: [0.0] * 4],
@@ -174,6 +175,8 @@ def trainer_for(tmp_path, shared: bool = True, on_state=None, fresh: bool = Fals
         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=lora(0.05))
     if not fresh:  # as after a step: PEFT's zero B would make merged and unmerged one model trivially
         randomize(trainer.model)
+    if shared:  # as after the first step's self-check (tests/test_shared_prefix.py): the shared prefill is on
+        trainer._shared_prefix = "on"
     return trainer
 
 

@@ -1,9 +1,13 @@
-"""Shared-prefix GRPO (slmsql.shared_prefix): each distinct prompt of a micro-batch computed once, the same maths.
+"""Shared-prefix GRPO (slmsql.generation.shared_prefix, slmsql.training.shared_prefix_trainer): each distinct
+prompt of a micro-batch computed once, the same maths.
 
 Fast, on a small random model: the packed layout of hand-built micro-batches (left-padded prompts of different
 lengths, several prompts, groups cut by the micro-batch, completions that end early or are empty), per-token
 log-probs, entropies and LoRA gradients equal to TRL's own plain computation (fp32), with gradient checkpointing on
-and off and in chunks; group-keeping shuffles; prefill once in generation (the same scores and tokens).
+and off and in chunks; group-keeping shuffles; prefill once in generation (the same scores and tokens); the
+first step's self-check on one micro-batch, in float32 under bfloat16 compute (where a leaked segment hides in
+bfloat16's rounding), and a fallback that is TRL's own path (its micro-batches, order and
+generate calls, against GRPOTrainer itself).
 Slow, on SmolLM2-135M-Instruct (the real model, from the cache `make smollm2` fills) and on the trained tiny policy:
 the same equalities where a wrong mask or position id moves log-probs by whole units, so the break checks bite;
 then whole `slmsql grpo` runs with the shared prefix on and off on scripted completions (tests/scripted.py), which
@@ -20,6 +24,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -34,6 +39,8 @@ from test_vllm import vllm_ready  # noqa: F401  (fixture: vLLM installed, or a C
 from slmsql import configs
 from slmsql.generation import shared_prefix
 from slmsql.generation.shared_prefix import Packing
+from slmsql.training import shared_prefix_trainer
+from slmsql.training.shared_prefix_trainer import trainer_class as Shared
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -89,14 +96,14 @@ def test_packing_refuses_layouts_it_does_not_read():
     assert Packing.of(ids, right_padded, width) is None
 
 
-def tiny_lm(tmp_path, attn: str = "sdpa"):
+def tiny_lm(tmp_path, attn: str = "sdpa", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from slmsql.toy.tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "tiny", ["SELECT name FROM item WHERE price > 3 ORDER BY name"] * 8,
                               vocab_size=300, hidden=32, layers=2, heads=2, ffn=64)
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn), folder
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=dtype), folder
 
 
 def trainer_for(model, folder, tmp_path, lora: bool = True, checkpointing: bool = False):
@@ -109,7 +116,7 @@ def trainer_for(model, folder, tmp_path, lora: bool = True, checkpointing: bool 
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                       gradient_checkpointing=checkpointing, temperature=0.8)
-    trainer = shared_prefix.trainer_class(GRPOTrainer)(
+    trainer = shared_prefix_trainer.trainer_class(GRPOTrainer)(
         model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
         train_dataset=Dataset.from_list([{"prompt": "q"}] * 4), processing_class=AutoTokenizer.from_pretrained(folder),
         peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
@@ -188,6 +195,285 @@ def test_group_shuffle_keeps_groups_whole_and_falls_back_otherwise():
     mixed = {**batch, "prompt_ids": torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4], [5, 6], [5, 6]])}
     assert shared_prefix.shuffle_groups(mixed, 2) is None  # not consecutive groups: TRL's row shuffle applies
     assert shared_prefix.shuffle_groups(batch, 4) is None
+
+
+# ---- the first step: the self-check on one micro-batch, and a fallback that is TRL's own path ------------------
+
+PROMPTS = ["SELECT name FROM item", "name FROM", "WHERE price > 3 ORDER BY", "ORDER BY name"]
+
+
+def grpo_trainer(cls, model, folder, tmp_path, **over):
+    """`cls` (GRPOTrainer, or a shared-prefix class of it) on `model` without LoRA (nothing drawn at random: two
+    trainers on two loads of one folder hold the same weights), 2 generation steps of 4 rows (groups of 2): a
+    generation batch of 8 rows, 4 prompts."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
+                                per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+                                max_completion_length=8, temperature=0.8, seed=0), **over})
+    return cls(model=model, reward_funcs=[lambda completions, **_: [float(len(c)) for c in completions]], args=args,
+               train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+               processing_class=AutoTokenizer.from_pretrained(folder))
+
+
+def generation_batch(trainer) -> list[dict]:
+    """What TRL's sampler hands `_prepare_inputs`: each prompt num_generations times in a row."""
+    return [{"prompt": p} for p in PROMPTS for _ in range(trainer.num_generations)]
+
+
+def decoder_calls(model) -> list:
+    """The (rows, width) of every forward of `model`'s decoder, in order, appended as they happen."""
+    calls = []
+    model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    return calls
+
+
+def prepare(trainer, generations: int = 2) -> list[dict]:
+    """The micro-batches of `generations` generation batches as `_prepare_inputs` buffers them, each drawn after
+    torch.manual_seed(g) (the sampling and TRL's shuffle read torch's generator)."""
+    trainer.model.train()
+    out = []
+    for g in range(generations):
+        trainer._step = g * trainer.args.steps_per_generation
+        torch.manual_seed(g)
+        trainer._prepare_inputs(generation_batch(trainer))
+        out += trainer._buffered_inputs
+    return out
+
+
+def leaked(monkeypatch):
+    """Packing.of with every completion seeing the others: a wrong layout the self-check must catch."""
+    of = Packing.of
+
+    def wrong(*a, **k):
+        p = of(*a, **k)
+        if p is not None:
+            p.segment = p.segment.clamp(max=1)
+        return p
+
+    monkeypatch.setattr(Packing, "of", wrong)
+
+
+def test_the_self_check_forwards_one_micro_batch_of_the_first_generation(tmp_path):
+    """The check computes per_device_train_batch_size rows both ways (what one forward of the loss sees), not the
+    generation batch (here 2 micro-batches); its rows are the batch's first ones, whole groups, so the packed
+    forward holds their 2 prompts once each."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path)
+    trainer = grpo_trainer(Shared(GRPOTrainer), model, folder, tmp_path)
+    calls, checked = decoder_calls(trainer.model), []
+    check = trainer._self_check
+
+    def counted(batch):
+        start = len(calls)
+        check(batch)
+        checked.extend(calls[start:])
+        assert batch["prompt_ids"].size(0) == 8  # it was handed the whole generation batch
+
+    trainer._self_check = counted
+    prepare(trainer, generations=1)
+    assert trainer._shared_prefix == "on"
+    (plain_rows, width), (packed_rows, packed_width) = checked
+    assert plain_rows == 4 and packed_rows == 2 and packed_width < 2 * width
+
+
+@pytest.mark.parametrize("bf16", ["autocast", "weights"])
+def test_the_self_check_catches_under_bf16_what_bf16_rounding_hides(tmp_path, monkeypatch, bf16):
+    """Under bfloat16 compute (TRL's mixed precision on float32 weights, with the autocast accelerate wraps a
+    prepared model's forward in; or bfloat16 weights) a leaked segment moves the tiny model's log-probs by ~0.04:
+    far under the 0.24-0.44 that bfloat16's rounding alone moves a real model's, so a check in bfloat16 would have to
+    take it. The check compares in float32, catches it, and the run falls back, its weights as they were."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path, dtype=torch.bfloat16 if bf16 == "weights" else torch.float32)
+    states = []
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+                           bf16=bf16 == "autocast")
+    if bf16 == "autocast":
+        trainer.accelerator.prepare_model(trainer.model)  # as train() does: its forward runs under autocast now
+        assert "_original_forward" in trainer.model.__dict__
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    leaked(monkeypatch)
+    prepare(trainer, generations=1)
+    (diff,) = trainer._metrics["train"]["shared_prefix/logp_max_abs_diff"]
+    assert shared_prefix_trainer.TOLERANCE[torch.float32] < diff < 0.2, diff
+    assert trainer._shared_prefix == "off" and states[0].startswith("plain path: the first step's self-check")
+    assert "in float32" in states[0]
+    for n, p in trainer.model.named_parameters():
+        assert p.dtype == before[n].dtype and torch.equal(p, before[n]), n
+
+
+def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
+    """`computing_in`: a bfloat16 model prepared for bfloat16 mixed precision computes, inside the block and under
+    accelerate's own `autocast()`, what a float32 copy of its weights computes; after it, its weights, forward,
+    autocast and matmul precision are what they were."""
+    import copy
+
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float().eval()
+    trainer = grpo_trainer(GRPOTrainer, model, folder, tmp_path, bf16=True)  # its accelerator: bf16 mixed precision
+    accelerator = trainer.accelerator
+    model = accelerator.prepare_model(trainer.model).eval()
+    ids = torch.randint(5, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    forward, handler, precision = model.forward, accelerator.autocast_handler, torch.get_float32_matmul_precision()
+    with torch.no_grad():
+        mixed = model(input_ids=ids).logits
+        with shared_prefix_trainer.computing_in(model, accelerator, torch.float32), accelerator.autocast():
+            inside = model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert inside.dtype == torch.float32 and (inside - expected).abs().max() <= 1e-6
+    assert (mixed.float() - expected).abs().max() > 1e-4  # what the block changes: bfloat16 is that far off
+    assert torch.equal(after, mixed)
+    assert model.forward == forward and accelerator.autocast_handler is handler
+    assert torch.get_float32_matmul_precision() == precision
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, weights[n]), n
+
+
+def test_the_cost_model_counts_the_weights_each_forward_multiplies(tmp_path):
+    """The cost model's per-token term against torch's own count of the matmul FLOPs both forwards run (its
+    FlopCounterMode; it does not count the CPU's fused attention kernel, so that term is left out of both): within
+    3% (TRL's head skips each plain row's last position, which the model counts)."""
+    from accelerate import Accelerator
+    from torch.utils.flop_counter import FlopCounterMode
+    from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model, _ = tiny_lm(tmp_path)
+    add_fused_lm_head(model.eval(), temperature=0.8)
+    ids, mask, width = micro_batch(model.config.vocab_size)
+    packing = Packing.of(ids, mask, width)
+    linear, _ = shared_prefix.cost_dims(model)
+    trl = SimpleNamespace(accelerator=Accelerator(cpu=True))
+    with torch.no_grad(), FlopCounterMode(display=False) as plain:
+        GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__(trl, model, ids, mask, width)
+    with torch.no_grad(), FlopCounterMode(display=False) as packed:
+        shared_prefix.packed_logps(model, packing)
+    assert plain.get_total_flops() == pytest.approx(2 * linear * ids.numel(), rel=0.03)
+    assert packed.get_total_flops() == pytest.approx(2 * linear * packing.tokens, rel=0.03)
+
+
+def one_prompt_batch(vocab: int, prompt: int, group: int, completion: int) -> dict:
+    """A generation batch of one prompt's group, every completion `completion` tokens long, as TRL's fields."""
+    ids, mask, width = micro_batch(vocab, prompts=(prompt,), rows=("A",) * group, lengths=(completion,) * group,
+                                   width=completion)
+    plen = ids.size(1) - width
+    return {"prompt_ids": ids[:, :plen], "prompt_mask": mask[:, :plen], "completion_ids": ids[:, plen:],
+            "completion_mask": mask[:, plen:]}
+
+
+@pytest.mark.parametrize("shape", ["long prompt", "long completions"])
+def test_the_cost_model_falls_back_where_packing_costs_more(tmp_path, shape):
+    """A long prompt and short completions: the packed forward costs less and, the check passed, the run goes on
+    packed, its tag giving the cost. A 2-token prompt and 8 completions of 64: the packed row (521 tokens) pays
+    more attention than the 6 prompt tokens it saves, so the run falls back to TRL's path, saying so, without
+    computing the check's forwards."""
+    from trl import GRPOTrainer
+
+    model, folder = tiny_lm(tmp_path)
+    states = []
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path,
+                           per_device_train_batch_size=8, num_generations=8, max_completion_length=64)
+    calls = decoder_calls(trainer.model)
+    batch = (one_prompt_batch(model.config.vocab_size, 60, 2, 4) if shape == "long prompt"
+             else one_prompt_batch(model.config.vocab_size, 2, 8, 64))
+    trainer._self_check(batch)
+    (ratio,) = trainer._metrics["train"]["shared_prefix/cost_ratio"]
+    (state,) = states
+    if shape == "long prompt":
+        assert ratio > 1 and trainer._shared_prefix == "on" and len(calls) == 2
+        assert state.startswith("on: ") and f"packed forward at {1 / ratio:.2f}x the plain path's FLOPs" in state
+    else:
+        assert ratio < 0.5 and trainer._shared_prefix == "off" and calls == []
+        assert state.startswith(f"plain path: the cost model puts the packed forward at {1 / ratio:.2f}x"), state
+        assert "8 rows of 66 tokens -> 1 packed rows of 521" in state
+
+
+def windowed_lm(tmp_path, kind: str):
+    """A tiny random model with sliding-window layers, saved and loaded from a folder of its own (so its config
+    names it), the tiny model's tokenizer beside it: Qwen2 with `use_sliding_window` on its second layer, or
+    Mistral, whose `sliding_window` windows every layer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, Qwen2Config
+
+    folder = tmp_path / f"tiny-{kind}"
+    if not folder.exists():
+        _, tiny = tiny_lm(tmp_path)
+        dims = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, sliding_window=16)
+        config = (Qwen2Config(use_sliding_window=True, max_window_layers=1, **dims) if kind == "qwen2"
+                  else MistralConfig(**dims))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny).save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder), folder
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_sliding_window_models_fall_back_naming_the_model_and_why(tmp_path, kind):
+    """A model with sliding-window layers runs TRL's own path from the start, its tag naming the model and the
+    window; the tiny model (Qwen2, full attention everywhere) is not refused."""
+    from trl import GRPOTrainer
+
+    model, folder = windowed_lm(tmp_path, kind)
+    states = []
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    assert trainer._shared_prefix == "off"
+    (state,) = states
+    assert state.startswith(f"plain path: {folder} has sliding_attention layers (sliding_window 16)"), state
+    full, tiny = tiny_lm(tmp_path / "full")
+    assert shared_prefix.partial_attention(full) is None
+    assert grpo_trainer(Shared(GRPOTrainer), full, tiny, tmp_path)._shared_prefix == "unchecked"
+
+
+@pytest.mark.parametrize("reason", ["check fails", "sliding window"])
+def test_a_fallback_is_trls_own_path(tmp_path, monkeypatch, reason):
+    """After a fallback the run is TRL's: the same micro-batches in the same order (TRL's row shuffle, not the group
+    shuffle), the same completions from the same generate calls (no shared prefill), at the first generation and
+    after it, as GRPOTrainer itself on the same weights and seed. The fallback: a failed self-check (a leaked
+    segment), or a model refused from the start (sliding-window layers)."""
+    from trl import GRPOTrainer
+
+    def load(where):
+        return tiny_lm(where) if reason == "check fails" else windowed_lm(tmp_path, "qwen2")
+
+    model, folder = load(tmp_path)
+    plain = grpo_trainer(GRPOTrainer, model, folder, tmp_path)
+    plain_calls = decoder_calls(plain.model)
+    expected = prepare(plain)
+    if reason == "check fails":
+        leaked(monkeypatch)
+    states = []
+    model, folder = load(tmp_path / "again")
+    trainer = grpo_trainer(Shared(GRPOTrainer, on_state=states.append), model, folder, tmp_path)
+    calls, checked = decoder_calls(trainer.model), []
+    check = trainer._self_check
+
+    def spanned(batch):
+        checked.append(len(calls))
+        check(batch)
+        checked.append(len(calls))
+
+    trainer._self_check = spanned
+    got = prepare(trainer)
+    assert trainer._shared_prefix == "off" and len(states) == 1 and states[0].startswith("plain path: "), states
+    assert ("self-check" in states[0]) == (reason == "check fails") and len(checked) == 2 * (reason == "check fails")
+    assert len(got) == len(expected) == 4
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys()
+        for key in b:
+            same = torch.equal(a[key], b[key]) if isinstance(b[key], torch.Tensor) else a[key] == b[key]
+            assert same, key
+    # the forwards TRL made (generation: each row's whole prompt, then a token at a time), and the check's between
+    start, end = checked or (len(calls), len(calls))
+    assert end - start == len(checked) and calls[:start] + calls[end:] == plain_calls
 
 
 # ---- generation: each prompt prefilled once -----------------------------------------------------------------
@@ -378,12 +664,12 @@ def test_a_run_ends_where_the_plain_path_ends(policy, runs, monkeypatch, name):
     run, history, shared = run_grpo(policy, runs, name, True, monkeypatch, **over)
     plain_run, plain_history, plain = run_grpo(policy, runs, name, False, monkeypatch, **over)
     assert run.data.params["shared_prefix"] == "true" and plain_run.data.params["shared_prefix"] == "false"
-    assert run.data.tags[shared_prefix.TAG].startswith("on: "), run.data.tags.get(shared_prefix.TAG)
+    assert run.data.tags[shared_prefix_trainer.TAG].startswith("on: "), run.data.tags.get(shared_prefix_trainer.TAG)
     (_, diff), = history["shared_prefix/logp_max_abs_diff"]
-    assert diff <= shared_prefix.TOLERANCE[torch.float32]
+    assert diff <= shared_prefix_trainer.TOLERANCE[torch.float32]
     ratios = [v for _, v in history["shared_prefix/token_ratio"]]
     assert len(ratios) >= STEPS and min(ratios) > 1.5  # the training forward really computed less
-    assert shared_prefix.TAG not in plain_run.data.tags and not plain_history["shared_prefix/token_ratio"]
+    assert shared_prefix_trainer.TAG not in plain_run.data.tags and not plain_history["shared_prefix/token_ratio"]
     losses, plain_losses = [v for _, v in history["loss"]], [v for _, v in plain_history["loss"]]
     assert len(losses) == len(plain_losses) == STEPS
     assert losses == pytest.approx(plain_losses, rel=1e-3, abs=1e-5)
@@ -414,7 +700,7 @@ def test_vllm_rollouts_are_scored_with_the_shared_prefix(policy, runs, monkeypat
     over = {"backend": "vllm", "max_steps": 1, "rewards": ["execution", "format", "ngram"]}
     run, history, shared = run_grpo(policy, runs, "vllm", True, monkeypatch, **over)
     plain_run, plain_history, plain = run_grpo(policy, runs, "vllm", False, monkeypatch, **over)
-    assert run.data.tags[shared_prefix.TAG].startswith("on: ") and run.data.params["backend"] == "vllm"
+    assert run.data.tags[shared_prefix_trainer.TAG].startswith("on: ") and run.data.params["backend"] == "vllm"
     (_, gap), = history["sampling/sampling_logp_difference/max"]
     assert gap < 1e-3  # engine vs policy, both sides computing the same thing (tests/test_vllm_grpo.py's bound)
     assert [v for _, v in history["loss"]] == pytest.approx([v for _, v in plain_history["loss"]], rel=1e-3, abs=1e-5)
@@ -424,22 +710,14 @@ def test_vllm_rollouts_are_scored_with_the_shared_prefix(policy, runs, monkeypat
 
 @pytest.mark.slow
 def test_a_failed_self_check_falls_back_to_the_plain_path(policy, runs, monkeypatch):
-    of = Packing.of
-
-    def wrong(*a, **k):
-        p = of(*a, **k)
-        if p is not None:
-            p.segment = p.segment.clamp(max=1)
-        return p
-
-    monkeypatch.setattr(Packing, "of", wrong)
+    leaked(monkeypatch)
     run, history, shared = run_grpo(policy, runs, "fallback", True, monkeypatch)
     monkeypatch.undo()
     _, _, plain = run_grpo(policy, runs, "fallback", False, monkeypatch)
-    tag = run.data.tags[shared_prefix.TAG]
+    tag = run.data.tags[shared_prefix_trainer.TAG]
     assert tag.startswith("plain path: the first step's self-check found log-probs"), tag
     (_, diff), = history["shared_prefix/logp_max_abs_diff"]
-    assert diff > shared_prefix.TOLERANCE[torch.float32]
+    assert diff > shared_prefix_trainer.TOLERANCE[torch.float32]
     assert not history["shared_prefix/token_ratio"]  # nothing was computed the shared way
     assert update_gap(shared, plain, None)[1] <= 1e-4, "after the fallback the run is the plain path's"
 
@@ -460,6 +738,6 @@ def test_the_command_line_logs_the_self_check(policy, runs, tmp_path):
         runs_ = {r.info.run_name: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
     on, off = runs_["true"], runs_["false"]
     assert on.data.params["shared_prefix"] == "true" and off.data.params["shared_prefix"] == "false"
-    assert on.data.metrics["shared_prefix/logp_max_abs_diff"] <= shared_prefix.TOLERANCE[torch.float32]
-    assert on.data.tags[shared_prefix.TAG].startswith("on: ")
-    assert "shared_prefix/logp_max_abs_diff" not in off.data.metrics and shared_prefix.TAG not in off.data.tags
+    assert on.data.metrics["shared_prefix/logp_max_abs_diff"] <= shared_prefix_trainer.TOLERANCE[torch.float32]
+    assert on.data.tags[shared_prefix_trainer.TAG].startswith("on: ")
+    assert "shared_prefix/logp_max_abs_diff" not in off.data.metrics and shared_prefix_trainer.TAG not in off.data.tags

