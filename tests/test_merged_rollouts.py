@@ -24,6 +24,7 @@ from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (t
 from slmsql import configs
 from slmsql.errors import SlmsqlError
 from slmsql.generation import merged_rollouts
+from slmsql.training import merged_rollouts_trainer
 from slmsql.training import shared_prefix_trainer
 
 GAP_TOL = 1e-4  # float32: measured 0 to ~1e-6 on these models
@@ -169,7 +170,7 @@ def trainer_for(tmp_path, shared: bool = True, on_state=None, fresh: bool = Fals
                       disable_dropout=True)
     cls = shared_prefix_trainer.trainer_class(GRPOTrainer) if shared else GRPOTrainer
     torch.manual_seed(0)
-    trainer = merged_rollouts.trainer_class(cls, on_state)(
+    trainer = merged_rollouts_trainer.trainer_class(cls, on_state)(
         model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=[lambda completions, **_: [0.0] * 4],
         args=args, train_dataset=Dataset.from_list([{"prompt": "q"}] * 4),
         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=lora(0.05))
@@ -270,7 +271,7 @@ def test_a_trainer_without_lora_is_refused(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
                       per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     with pytest.raises(SlmsqlError, match="no LoRA layer"):
-        merged_rollouts.trainer_class(GRPOTrainer)(
+        merged_rollouts_trainer.trainer_class(GRPOTrainer)(
             model=AutoModelForCausalLM.from_pretrained(folder), reward_funcs=[lambda completions, **_: [0.0] * 4],
             args=args, train_dataset=Dataset.from_list([{"prompt": "q"}] * 4),
             processing_class=AutoTokenizer.from_pretrained(folder))

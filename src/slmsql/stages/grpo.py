@@ -99,6 +99,7 @@ def main(cfg: GRPOStageConfig) -> dict:
     from trl import GRPOConfig
 
     from slmsql.generation import merged_rollouts, vllm_engine, vllm_rollouts
+    from slmsql.training import merged_rollouts_trainer
     from slmsql.policy.resolve import Policy
     from slmsql.rewards import registry as rewards
     from slmsql.runtime import distributed
@@ -164,7 +165,7 @@ def main(cfg: GRPOStageConfig) -> dict:
             Trainer = shared_prefix_trainer.trainer_class(
                 Trainer, on_state=(lambda text: outbox.set_tag(shared_prefix_trainer.TAG, text)) if main else None)
         if cfg.merged_rollouts:  # rollouts sampled with the LoRA merged, the base tensors put back after
-            Trainer = merged_rollouts.trainer_class(
+            Trainer = merged_rollouts_trainer.trainer_class(
                 Trainer, on_state=(lambda text: outbox.set_tag(merged_rollouts.TAG, text)) if main else None)
         # --backend vllm: every rollout from slmsql's vLLM engine, the LoRA of each step swapped in (vllm_trainer)
         Trainer = vllm_trainer.trainer_for(cfg, Trainer, work, model, tokenizer, token_metrics["tokens/prompt_max"])
