@@ -24,7 +24,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,8 @@ import psutil
 import pytest
 from ci_env import in_ci
 from neartie import DrawMargins, assert_greedy_same_but_near_ties
-from ports import session, start_serving
+from ports import session
+from raycluster import ray_head
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
@@ -181,31 +181,10 @@ def stage_metrics(run) -> dict:
 
 # ---- a real cluster: `ray start --head` as its own process, on loopback ----------------------------------
 
-session_processes = session  # Ray's processes: the head's session
-
-
 @pytest.mark.slow
 def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path):
     data, ref, ref_metrics, draws = reference
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    heads = []
-
-    def start(port):
-        heads.append(subprocess.Popen(
-            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
-             "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
-             "--disable-usage-stats", "--temp-dir", temp],
-            stdout=(tmp_path / "head.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True))
-        return heads[-1]
-
-    def answers(port):
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-
-    # on a port its own process listens on: started again on another if someone took the one handed out
-    head, port = start_serving(start, answers, timeout_s=120, describe=(tmp_path / "head.log").read_text,
-                               members=session_processes)  # Ray's processes: the head's session
-    try:
+    with ray_head(tmp_path / "head.log") as (head, port):  # stopped after, no process of it left (raycluster.py)
         # `mlflow run` passes every parameter to `slmsql filter`, which joins the cluster as a Ray driver.
         # (MLFLOW_EXPERIMENT_ID: what an earlier mlflow.set_experiment in this process left in the environment)
         env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_EXPERIMENT_ID"},
@@ -224,21 +203,9 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         assert {"band.jsonl", "passrates.jsonl", "summary.json", "pass_rate_histogram.png", "data_check"} <= {
             f.path for f in client.list_artifacts(run.info.run_id)}
         # the cluster listens on loopback only
-        listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for p in session_processes(head.pid)
+        listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for p in session(head.pid)
                      for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
         assert ("127.0.0.1", port) in listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
-    finally:
-        head.terminate()  # `ray start --block` stops its cluster on SIGTERM (the leader only: it drains first)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=60)
-        stragglers = session_processes(head.pid)
-        for p in stragglers:  # whatever did not stop in time
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        _, alive = psutil.wait_procs(stragglers, timeout=60)  # gone, or a minute passed: then named below
-        left = [p.pid for p in alive] + [p.pid for p in session_processes(head.pid) if p not in stragglers]
-        shutil.rmtree(temp, ignore_errors=True)
-    assert head.returncode is not None and not left, f"cluster processes left: {left}"
 
 
 # ---- an in-process local Ray, shared by the tests below --------------------------------------------------

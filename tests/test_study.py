@@ -10,18 +10,14 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 from policy import policy_fixture  # noqa: F401  (the fixture)
-from ports import session, start_serving
+from raycluster import ray_head
 
 from slmsql import configs
 from slmsql.configs import StudyRunConfig
@@ -504,41 +500,10 @@ def test_a_study_split_over_two_clones_gives_what_one_run_gives(policy, tmp_path
 def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, tmp_path):
     root = clone(tmp_path / "r", policy)
     slmsql(root, "study", "run", "studies/s", "--cells", "start", "--report", "false")
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    heads = []
-
-    def start(port):
-        heads.append(subprocess.Popen(
-            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
-             "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
-             "--disable-usage-stats", "--temp-dir", temp],
-            stdout=(tmp_path / "head.log").open("a"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"}))
-        return heads[-1]
-
-    def answers(port):
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-
-    try:
-        # on a port the head's own processes listen on: started again on another if someone took it
-        head, port = start_serving(start, answers, timeout_s=120, describe=(tmp_path / "head.log").read_text,
-                                   members=session)
+    with ray_head(tmp_path / "head.log", env={**os.environ, "OMP_NUM_THREADS": "1"}) as (_, port):
         out = slmsql(root, CELLS[1], "study", "run", "studies/s", "--ray-address", f"127.0.0.1:{port}",
                      script=HERE / "study_faults.py")
-    finally:
-        left = []
-        for h in heads:  # `ray start --block` stops its cluster on SIGTERM; then whatever of its session is left
-            h.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                h.wait(timeout=60)
-            for p in session(h.pid):
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-                    left.append(p)
-        _, alive = psutil.wait_procs(left, timeout=60)
-        shutil.rmtree(temp, ignore_errors=True)
-    assert head.returncode is not None and not alive, f"cluster processes left: {alive}"
+    # (the cluster is stopped and none of its processes left: raycluster.py)
     cell_dir = root / "outputs/studies/s/cells" / CELLS[1]
     dead_group = int((cell_dir / "killed-once").read_text())  # the first attempt did die mid-cell
     with pytest.raises(ProcessLookupError):  # and nothing it started is left running
