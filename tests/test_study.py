@@ -2,8 +2,8 @@
 shards, the one way to continue a study with new code, and what the project's own declarations say; refusals users
 meet run from the command line in a new process. Slow: a study run for real from the command line on the tests'
 tiny policy, split over two "clones" (their own folders, processes and MLflow stores, the study folder copied
-between them) against one run on one machine, and its cells on a real local Ray cluster, one of them on a worker
-that is killed and rerun."""
+between them) against one run on one machine (which makes the start's band again, checked against the start's
+record), and its cells on a real local Ray cluster, one of them on a worker that is killed and rerun."""
 
 import contextlib
 import json
@@ -480,16 +480,22 @@ def test_a_study_split_over_two_clones_gives_what_one_run_gives(policy, tmp_path
     assert "[1/1] cell a-seed1 recorded" in out.stdout
     assert (stage_runs(b, "filter"), stage_runs(b, "evaluate"), stage_runs(b, "grpo")) == (0, 2, 1)  # no start remade
     shutil.copy(b / "studies/s/records/a-seed1.json", a / "studies/s/records/a-seed1.json")
-    slmsql(one, "study", "run", "studies/s")  # both cells, one process, one store
+    # one machine, both cells in one process and one store, from a start it makes itself: given the start's record
+    # but not its pinned files, it makes the band again from scratch, which the run checks against the record's
+    # fingerprint (refused if it differed), and evaluates it no more (its results are in the record)
+    (one / "studies/s/records").mkdir()
+    shutil.copy(a / "studies/s/records/start.json", one / "studies/s/records/start.json")
+    slmsql(one, "study", "run", "studies/s")
+    assert (stage_runs(one, "filter"), stage_runs(one, "evaluate"), stage_runs(one, "grpo")) == (1, 4, 2)
     assert results(a) == results(one)
     assert results(b)["a-seed1"] == results(one)["a-seed1"]
-    # rerunning with every record present runs nothing, and the report comes from the records alone
+    # rerunning with every record present runs nothing, and the report comes from the records alone: the same as
+    # the one machine's run wrote
     store = (a / "mlflow.db").read_bytes()
     out = slmsql(a, "study", "run", "studies/s")
     assert "this run: 0 cell(s)" in out.stdout
-    for root in (a, one):
-        os.remove(root / "mlflow.db")
-        slmsql(root, "study", "report", "studies/s")
+    os.remove(a / "mlflow.db")
+    slmsql(a, "study", "report", "studies/s")
     rep = {r: json.loads((r / "studies/s/report.json").read_text()) for r in (a, one)}
     assert rep[a]["rows"] == rep[one]["rows"] and rep[a]["missing"] == [] and len(rep[a]["rows"]) == 2
     assert (a / "studies/s/report.md").read_text() == (one / "studies/s/report.md").read_text()
