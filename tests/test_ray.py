@@ -215,7 +215,11 @@ def local_ray():
     import ray
 
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ctx = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
+    # One thread in each of Ray's workers, whatever this process runs with: they take the environment of the raylet
+    # started here, and Ray keeps OMP_NUM_THREADS where it is set (else sets it to an actor's CPUs: 1 here).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        ctx = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
@@ -374,8 +378,13 @@ def test_killed_driver_resumes_from_finished_questions(policy, reference, local_
 @pytest.mark.slow
 def test_filter_with_vllm_on_ray_gives_the_local_vllm_engines_rows(policy, local_ray, tmp_path):
     """--backend vllm on Ray: one generation actor builds its own vLLM engine (in-process, CPU); its sampled
-    rows, on Ray's partitioning (batches of 4), equal the local vLLM engine's (batches of 16)."""
+    rows equal the local vLLM engine's, file for file, on any machine, because both sides compute the same: one
+    thread (the actor's, as local_ray starts Ray's workers; the local engine's, set here for its run), a fresh
+    engine of the same sizes, and the same batches of 4 prompts in the same order. (vLLM's CPU sampler draws
+    inside its own kernel, out of the near-tie rule's reach: two float paths could not be told apart from a bug.)"""
     import importlib.util
+
+    import torch
 
     if importlib.util.find_spec("vllm") is None:
         if in_ci():
@@ -384,9 +393,13 @@ def test_filter_with_vllm_on_ray_gives_the_local_vllm_engines_rows(policy, local
         pytest.skip("vLLM is not installed (README 'vLLM generation')")
     rows = read(policy.source)[:12]
     data = write(tmp_path / "source.jsonl", rows + [{**rows[0], "id": "no-db", "db_id": "no_such_db"}])
-    local = run_filter(policy, data, tmp_path / "local", backend="vllm")
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)  # torch's own: vLLM's CPU worker makes torch.set_num_threads a no-op in its process
+    try:
+        run_filter(policy, data, tmp_path / "local", backend="vllm", batch_size=RAY_OPTS["batch_size"])
+    finally:
+        torch._C.set_num_threads(threads)
     on_ray = run_filter(policy, data, tmp_path / "ray", backend="vllm", **RAY_OPTS)
-    assert on_ray == local and local["buckets"]["errors"] == 1
-    same_outputs(tmp_path / "ray", tmp_path / "local")
-    # sampled, not one answer repeated K times: some question passes on some samples only
-    assert any(0 < r.get("n_correct", 0) < 4 for r in read(tmp_path / "ray" / "passrates.jsonl"))
+    assert same_outputs(tmp_path / "ray", tmp_path / "local") == [] and on_ray["buckets"]["errors"] == 1
+    # sampled, not one answer repeated K times: some question's samples end differently
+    assert any(len(set(r.get("statuses", []))) > 1 for r in read(tmp_path / "ray" / "passrates.jsonl"))
