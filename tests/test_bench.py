@@ -62,10 +62,17 @@ def test_evaluate_bench_batched_equals_single():
     quotient(fig["speedup"], fig["seconds"]["single"], fig["seconds"]["batched"], 2, 3, 3)
 
 
+@pytest.fixture(scope="module")
+def grpo_gpu_tiny() -> dict:
+    """One run of the GPU check at its tiny shape with every arm a CPU runs, for the two tests below (a run per test
+    loaded the same model and built the same prompts twice, and trained the recipe arm in both)."""
+    return run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--arms", "plain,recipe,shared")
+
+
 @pytest.mark.slow  # trains a step on each arm
-def test_grpo_bench_tiny_runs_both_arms_on_identical_work():
-    fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0")
-    assert fig["shape"] == "tiny" and fig["failed"] == [] and set(fig["arms"]) == {"plain", "recipe"}
+def test_grpo_bench_tiny_runs_both_arms_on_identical_work(grpo_gpu_tiny):
+    fig = grpo_gpu_tiny
+    assert fig["shape"] == "tiny" and fig["failed"] == [] and set(fig["arms"]) == {"plain", "recipe", "shared"}
     plain, recipe = fig["arms"]["plain"], fig["arms"]["recipe"]
     assert (plain["per_device_train_batch_size"], plain["gradient_accumulation_steps"]) == (16, 4)
     assert (recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]) == (64, 1)
@@ -80,8 +87,9 @@ def test_grpo_bench_tiny_runs_both_arms_on_identical_work():
         completion_tokens = fig["prompts"] * fig["generations"] * fig["completion_len"]
         quotient(arm["tokens_per_s"], completion_tokens, arm["step_s"], 1, den_digits=4)
         quotient(arm["generate_tokens_per_s"], completion_tokens, arm["generate_s"], 1, den_digits=4)
-    assert set(fig["ratios"]) == {"plain_over_recipe"}
+    assert set(fig["ratios"]) == {"plain_over_recipe", "plain_over_shared", "recipe_over_shared_train"}
     quotient(fig["ratios"]["plain_over_recipe"], plain["step_s"], recipe["step_s"], 3, 4, 4)
+    quotient(fig["ratios"]["plain_over_shared"], plain["step_s"], fig["arms"]["shared"]["step_s"], 3, 4, 4)
 
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -227,10 +235,10 @@ def test_grpo_prefix_bench_times_merged_rollouts_beside_the_shared_prefix(tmp_pa
 
 
 @pytest.mark.slow  # trains a step on each arm
-def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer():
+def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer(grpo_gpu_tiny):
     """The GPU check's `shared` arm is the recipe arm with the shared-prefix trainer (what the grpo stage builds)."""
-    fig = run_bench("grpo_gpu.py", "--shape", "tiny", "--steps", "1", "--warmup", "0", "--arms", "recipe,shared")
-    assert fig["failed"] == [] and set(fig["arms"]) == {"recipe", "shared"}
+    fig = grpo_gpu_tiny
+    assert fig["failed"] == [] and {"recipe", "shared"} <= set(fig["arms"])
     assert fig["arms"]["shared"]["config"].endswith("+ shared prefix")
     recipe, shared = fig["arms"]["recipe"], fig["arms"]["shared"]
     quotient(fig["ratios"]["recipe_over_shared_train"], recipe["train_s"], shared["train_s"], 3, 4, 4)
