@@ -543,7 +543,8 @@ def test_the_transfer_study_is_the_pilots_length_with_the_reward_sets_on_held_ou
         recipe = configs.load(configs.GRPOStageConfig, f"recipes/rewards/{arm}.yaml", require=False)
         assert [getattr(cfg, k) for k in rewards] == [getattr(recipe, k) for k in rewards]
         differ = {f.name for f in configs.fields(cfg) if getattr(cfg, f.name) != getattr(long, f.name)}
-        assert differ <= set(rewards)  # otherwise the pilot's training, 3 passes
+        assert differ <= {*rewards, "merged_rollouts"} and cfg.merged_rollouts  # the pilot's training, 3 passes,
+        # with the rollouts sampled merged (the same policy, faster: bench/README.md)
     held_out = ["toy-large-dev", "toy-large-dev_cross"]
     assert [(c["arm"], c["against"], c["eval_set"]) for c in s.comparisons] == [
         (arm, against, es) for arm, against in (("outcome", "start"), ("dense", "outcome"), ("qatch", "outcome"))
