@@ -392,7 +392,9 @@ def test_resumed_step_equals_the_uninterrupted_one(backend, policy, tmp_path, mo
     them all, no longer overwrites them: step 3 of a resumed run finds them as the uninterrupted run's step 3 does,
     and ends with its adapter and metrics to the bit (float32). The torch generator decides which groups share a
     micro-batch (shared_prefix.shuffle_groups; gradient accumulation 2 with TRL's `bnpo` loss, normalised per
-    micro-batch) and, under transformers, the samples."""
+    micro-batch) and, under transformers, the samples. The shared prefix's self-check is not run again: the resumed
+    run takes checkpoint-2's verdict (checked again, its first generation's old log-probs, which TRL takes under vLLM,
+    would be computed unpacked: the vLLM case failed on it, 2026-12-03)."""
     import torch
     from safetensors.torch import load_file
 

@@ -9,7 +9,8 @@ and only then is it shuffled, by groups when the check passed and by rows (TRL's
 the cost model first (is packing cheaper on this micro-batch?), then computes the micro-batch both ways in float32
 (`computing_in`). A run that falls back, at its start (an attention the packed mask cannot reach) or at the check,
 is TRL's own path from its first step to its last: the same micro-batches in the same order and the same generate
-calls.
+calls. Each checkpoint keeps the check's verdict (VERDICT), so a resumed run goes on as the run it resumes: checked
+again at its own first batch, its first generation's old log-probs (taken under vLLM) would be TRL's, not packed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -51,6 +54,7 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 # packed forward would cost more than the plain one. bench/grpo_prefix.py's `packed` arm turns it off, to time what it
 # turns down.
 COST_MODEL = True
+VERDICT = "shared_prefix.json"  # in each checkpoint folder: the self-check's verdict ("on" or "off") and cost ratio
 
 
 def check_dtype(model) -> torch.dtype:
@@ -116,6 +120,26 @@ def trainer_class(trainer_cls, on_state=None):
                             f"{', '.join(MASKED_ATTENTION)})")
             elif why := partial_attention(self.model):
                 self._plain(why)
+
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+                (folder / VERDICT).write_text(json.dumps({"state": self._shared_prefix,
+                                                          "cost_ratio": self._cost_ratio}))
+
+        def train(self, resume_from_checkpoint=None, *args, **kwargs):
+            # a resumed run takes its checkpoint's verdict instead of checking again (one made before the verdict was
+            # kept is checked again); a fallback found at this start (the attention) stands whatever it says
+            if resume_from_checkpoint is True:
+                from transformers.trainer_utils import get_last_checkpoint
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            kept = Path(resume_from_checkpoint) / VERDICT if resume_from_checkpoint else None
+            if kept and kept.is_file() and self._shared_prefix == "unchecked":
+                verdict = json.loads(kept.read_text())
+                self._shared_prefix, self._cost_ratio = verdict["state"], verdict["cost_ratio"]
+                log.info("shared prefix %s, as the resumed run's self-check found (%s)", self._shared_prefix, kept)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
         def _plain(self, why: str) -> None:
             self._shared_prefix = "off"
