@@ -70,11 +70,16 @@ docs: install
 	$(BIN)/pip install -q -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+# Two pytest-xdist workers, one torch thread each (two processes of two threads each on 2 cores stall each other's
+# OpenMP), each test module on one worker (its module fixtures, some of them minutes of training, built once).
+JOBS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(JOBS) --dist loadfile
+
 test: install
-	$(BIN)/pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 server: install
 	$(BIN)/slmsql server

@@ -1,5 +1,6 @@
 """The project's own wiring: one source of truth for pins and parameters, CI calling the README's command."""
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -79,4 +80,7 @@ def test_each_pytest_run_has_a_temp_folder_of_its_own(request, tmp_path_factory)
     if any(a.startswith("--basetemp") for a in request.config.invocation_params.args):
         return  # given on the command line: kept as given
     base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's: its own folder in the run's (`make test`: -n 2)
+        assert base.name == os.environ["PYTEST_XDIST_WORKER"].replace("gw", "popen-gw")
+        base = base.parent
     assert base.name.startswith("slmsql-pytest-") and base.parent.name != f"pytest-of-{base.owner()}"
