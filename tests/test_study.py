@@ -2,8 +2,8 @@
 shards, the one way to continue a study with new code, and what the project's own declarations say; refusals users
 meet run from the command line in a new process. Slow: a study run for real from the command line on the tests'
 tiny policy, split over two "clones" (their own folders, processes and MLflow stores, the study folder copied
-between them) against one run on one machine (which makes the start's band again, checked against the start's
-record), and its cells on a real local Ray cluster, one of them on a worker that is killed and rerun."""
+between them) against one run of both cells on a real local Ray cluster, on a third clone (which makes the start's
+band again, checked against the start's record), one of its cells on a worker that is killed and rerun."""
 
 import contextlib
 import json
@@ -468,48 +468,66 @@ def stage_runs(root: Path, stage: str) -> int:
         return con.execute("SELECT count(*) FROM tags WHERE key = 'slmsql.stage' AND value = ?", (stage,)).fetchone()[0]
 
 
-@pytest.mark.slow
-def test_a_study_split_over_two_clones_gives_what_one_run_gives(policy, tmp_path):
-    a, b, one = (clone(tmp_path / n, policy) for n in ("a", "b", "one"))
-    out = slmsql(a, "study", "run", "studies/s", "--shard", "1/2")
-    assert "[1/1] cell a-seed0 recorded" in out.stdout and "missing: a-seed1" in out.stdout
-    # the second machine gets the study folder as committed: the declaration, the records, the pinned start
+@pytest.fixture(scope="module")
+def machines(policy, tmp_path_factory):
+    """Three machines' checkouts. `a` and `b` split the study (--shard 1/2, then 2/2 given the study folder as `a`
+    committed it: the declaration, the records, the pinned start). `r` runs both cells in one invocation on a real
+    Ray cluster, given the start's record but not its pinned files: it makes the band again from scratch, which the
+    run checks against the record's fingerprint (refused if it differed), evaluates the start no more (its results
+    are in the record), and one of its cells runs on a worker killed mid-cell (study_faults.py)."""
+    tmp = tmp_path_factory.mktemp("machines")
+    a, b, r = (clone(tmp / n, policy) for n in ("a", "b", "r"))
+    out = {"a": slmsql(a, "study", "run", "studies/s", "--shard", "1/2")}
     shutil.rmtree(b / "studies" / "s")
     shutil.copytree(a / "studies" / "s", b / "studies" / "s")
-    out = slmsql(b, "study", "run", "studies/s", "--shard", "2/2")
-    assert "[1/1] cell a-seed1 recorded" in out.stdout
-    assert (stage_runs(b, "filter"), stage_runs(b, "evaluate"), stage_runs(b, "grpo")) == (0, 2, 1)  # no start remade
+    out["b"] = slmsql(b, "study", "run", "studies/s", "--shard", "2/2")
     shutil.copy(b / "studies/s/records/a-seed1.json", a / "studies/s/records/a-seed1.json")
-    # one machine, both cells in one process and one store, from a start it makes itself: given the start's record
-    # but not its pinned files, it makes the band again from scratch, which the run checks against the record's
-    # fingerprint (refused if it differed), and evaluates it no more (its results are in the record)
-    (one / "studies/s/records").mkdir()
-    shutil.copy(a / "studies/s/records/start.json", one / "studies/s/records/start.json")
-    slmsql(one, "study", "run", "studies/s")
-    assert (stage_runs(one, "filter"), stage_runs(one, "evaluate"), stage_runs(one, "grpo")) == (1, 4, 2)
-    assert results(a) == results(one)
-    assert results(b)["a-seed1"] == results(one)["a-seed1"]
+    (r / "studies/s/records").mkdir()
+    shutil.copy(a / "studies/s/records/start.json", r / "studies/s/records/start.json")
+    with ray_head(tmp / "head.log", env={**os.environ, "OMP_NUM_THREADS": "1"}) as (_, port):
+        out["r"] = slmsql(r, CELLS[1], "study", "run", "studies/s", "--ray-address", f"127.0.0.1:{port}",
+                          script=HERE / "study_faults.py")
+    # (the cluster is stopped and none of its processes left: raycluster.py)
+    return SimpleNamespace(a=a, b=b, r=r, out=out)
+
+
+def finished(root: Path, stage: str) -> list[str]:
+    """The `slmsql.cell` tag of each FINISHED run of `stage` in root's store."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as con:
+        return sorted(v for (v,) in con.execute(
+            "SELECT t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'slmsql.cell' "
+            "JOIN tags g ON g.run_uuid = r.run_uuid AND g.key = 'slmsql.stage' AND g.value = ? "
+            "WHERE r.status = 'FINISHED'", (stage,)))
+
+
+@pytest.mark.slow
+def test_a_study_split_over_two_clones_gives_what_one_run_gives(machines):
+    a, b, r, out = machines.a, machines.b, machines.r, machines.out
+    assert "[1/1] cell a-seed0 recorded" in out["a"].stdout and "missing: a-seed1" in out["a"].stdout
+    assert "[1/1] cell a-seed1 recorded" in out["b"].stdout
+    assert (stage_runs(b, "filter"), stage_runs(b, "evaluate"), stage_runs(b, "grpo")) == (0, 2, 1)  # no start remade
+    # the one run: the band made again once, the start not evaluated again, each cell trained and evaluated once
+    assert stage_runs(r, "filter") == 1
+    assert finished(r, "grpo") == CELLS and finished(r, "evaluate") == sorted(CELLS * 2)
+    assert results(a) == results(r)
+    assert results(b)["a-seed1"] == results(r)["a-seed1"]
     # rerunning with every record present runs nothing, and the report comes from the records alone: the same as
-    # the one machine's run wrote
+    # the one run wrote
     store = (a / "mlflow.db").read_bytes()
-    out = slmsql(a, "study", "run", "studies/s")
-    assert "this run: 0 cell(s)" in out.stdout
+    assert "this run: 0 cell(s)" in slmsql(a, "study", "run", "studies/s").stdout
     os.remove(a / "mlflow.db")
     slmsql(a, "study", "report", "studies/s")
-    rep = {r: json.loads((r / "studies/s/report.json").read_text()) for r in (a, one)}
-    assert rep[a]["rows"] == rep[one]["rows"] and rep[a]["missing"] == [] and len(rep[a]["rows"]) == 2
-    assert (a / "studies/s/report.md").read_text() == (one / "studies/s/report.md").read_text()
+    rep = {m: json.loads((m / "studies/s/report.json").read_text()) for m in (a, r)}
+    assert rep[a]["rows"] == rep[r]["rows"] and rep[a]["missing"] == [] and len(rep[a]["rows"]) == 2
+    assert (a / "studies/s/report.md").read_text() == (r / "studies/s/report.md").read_text()
     assert store  # (the store a rerun would have reused existed; the report needed none)
 
 
 @pytest.mark.slow
-def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, tmp_path):
-    root = clone(tmp_path / "r", policy)
-    slmsql(root, "study", "run", "studies/s", "--cells", "start", "--report", "false")
-    with ray_head(tmp_path / "head.log", env={**os.environ, "OMP_NUM_THREADS": "1"}) as (_, port):
-        out = slmsql(root, CELLS[1], "study", "run", "studies/s", "--ray-address", f"127.0.0.1:{port}",
-                     script=HERE / "study_faults.py")
-    # (the cluster is stopped and none of its processes left: raycluster.py)
+def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(machines):
+    root, out = machines.r, machines.out["r"]
     cell_dir = root / "outputs/studies/s/cells" / CELLS[1]
     dead_group = int((cell_dir / "killed-once").read_text())  # the first attempt did die mid-cell
     with pytest.raises(ProcessLookupError):  # and nothing it started is left running
@@ -518,13 +536,7 @@ def test_a_killed_cell_is_rerun_and_recorded_once_on_a_real_ray_cluster(policy, 
                                                                                    "start.json"]
     assert out.stdout.count("cell a-seed1 recorded") == 1 and "2 of 2 cells recorded" in out.stdout
     # each cell trained by exactly one finished GRPO run (the killed attempt's never finished)
-    import sqlite3
-    with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as con:
-        finished = con.execute("SELECT t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = "
-                               "'slmsql.cell' JOIN tags g ON g.run_uuid = r.run_uuid AND g.key = 'slmsql.stage' AND "
-                               "g.value = 'grpo' WHERE r.status = 'FINISHED'").fetchall()
-    assert sorted(v for (v,) in finished) == CELLS
-
+    assert finished(root, "grpo") == CELLS
 
 
 def test_the_transfer_study_is_the_pilots_length_with_the_reward_sets_on_held_out_sets_sized_for_power(monkeypatch):
