@@ -33,8 +33,19 @@ from slmsql.training import hf_trainer as training
 from slmsql.generation import vllm_rollouts
 from slmsql.stages import grpo
 
-RATIO = 1e-5  # the loss's log-probs against the same policy's in another pass: float summation order only
 GAP = 1e-3  # measured on CPU fp32: max 2e-5 over every sampled token of a step (docs/vllm.md)
+
+
+# The loss's log-probs against the same policy's in another pass: float summation order only. Under vLLM the first
+# generation's old log-probs are TRL's plain forward (before the shared prefix's self-check) and the loss's the packed
+# one: two float paths of one forward, which the self-check itself allows 1e-3 apart in float32 (1.4e-5 measured under
+# ATEN_CPU_CAPABILITY=avx2, 2-3e-5 on SmolLM2); LoRA dropout 0.05 moves them by more than 1e-2.
+def ratio_bound() -> float:
+    import torch
+
+    from slmsql.training.shared_prefix_trainer import TOLERANCE
+
+    return TOLERANCE[torch.float32]
 
 
 # ---- refused before any model loads ------------------------------------------------------------------------
@@ -342,7 +353,7 @@ def test_one_objective_on_both_backends_whatever_the_dropout(backend, policy, dr
     assert grpo.main(cfg)["steps"] == 2
     assert len(seen) == 2 and all(s["old"] == (backend == "vllm") for s in seen), seen
     # float summation order only (the same forward, other batch layouts): dropout 0.05 moves them by > 1e-2
-    assert all(s["ratio"] <= RATIO and s["dropout"] <= RATIO for s in seen), seen
+    assert all(s["ratio"] <= ratio_bound() and s["dropout"] <= ratio_bound() for s in seen), seen
 
 
 class Crash(Exception):
