@@ -1,5 +1,6 @@
 """GRPO seconds per step with the shared prefix on and off (`slmsql grpo --shared-prefix`), in one run, same work;
-and, as arm `merged`, the shared prefix with the rollouts sampled merged (`--merged-rollouts`).
+as arm `merged`, the shared prefix with the rollouts sampled merged (`--merged-rollouts`); as arm `vllm`, the shared
+prefix with vLLM's rollouts (`--backend vllm`).
 
 Model and shape: SmolLM2-135M-Instruct by its Hub id at the SmolLM2 study's GRPO (recipes/smollm2-135m/grpo.yaml:
 LoRA r16 all-linear, gradient checkpointing, G = 4, 2 prompts a step, 64-token budget, compact prompts) on the toy
@@ -14,7 +15,9 @@ times, and the speed-ups are ratios of times per step.
 Arms: `shared` is `--shared-prefix true` as a run decides it (on, or TRL's path where the first step's cost model
 puts the packed forward above the plain one: its tag, `shared_prefix/cost_ratio` and whether it ran packed are
 reported); `packed` is the same with the cost model off (shared_prefix_trainer.COST_MODEL), to time what
-the cost model turns down; `plain` is `--shared-prefix false`; `merged` is `shared` with `--merged-rollouts`.
+the cost model turns down; `plain` is `--shared-prefix false`; `merged` is `shared` with `--merged-rollouts`;
+`vllm` is `shared` with `--backend vllm` (its generate: the LoRA saved and served as a new LoRARequest, and vLLM's
+sampling; its score adds the policy's log-probs of the rollouts, which TRL takes under vLLM).
 
 Tokens: per micro-batch the loss saw, `plain` = rows x width (what TRL's forward computes, padding included) and
 `shared` = the packed layout's tokens (shared_prefix.Packing); `token_ratio` = plain / shared, the bound a perfect
@@ -32,7 +35,12 @@ the shared arm's seconds over the merged arm's, and the merged arm's first-rollo
     flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py \
         --arms shared,merged --warmup 2
 
-(2 warm-up steps: a fresh LoRA's gap is measured at step 1's rollout.)
+(2 warm-up steps: a fresh LoRA's gap is measured at step 1's rollout.) Which rollouts a cell should use, the
+transformers ones merged or vLLM's (each with the shared prefix; `vllm_over_merged`: the merged arm's seconds over
+the vLLM arm's, so above 1 means vLLM is faster; needs vllm, the first warm-up step starts its engine):
+
+    flock /tmp/slmsql-cpu.lock env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/grpo_prefix.py \
+        --arms merged,vllm --warmup 2
 
 The last printed line is JSON.
 """
@@ -135,12 +143,13 @@ def main(argv=None):
     ap.add_argument("--num-generations", type=int, default=0, help="G (default: the recipe's); 2 prompts a step")
     ap.add_argument("--max-completion-length", type=int, default=0, help="completion budget (default: the recipe's)")
     ap.add_argument("--arms", default="shared,plain",
-                    help="of shared, packed (cost model off), plain and merged (shared + merged rollouts)")
+                    help="of shared, packed (cost model off), plain, merged (shared + merged rollouts) and vllm "
+                         "(shared + vLLM rollouts)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if unknown := sorted(set(arms) - {"shared", "packed", "plain", "merged"}):
-        ap.error(f"--arms: unknown {unknown} (shared, packed, plain, merged)")
+    if unknown := sorted(set(arms) - {"shared", "packed", "plain", "merged", "vllm"}):
+        ap.error(f"--arms: unknown {unknown} (shared, packed, plain, merged, vllm)")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
     import transformers
@@ -184,8 +193,8 @@ def main(argv=None):
             counter = Tokens()
             shared_prefix_trainer.COST_MODEL = arm != "packed"
             try:
-                r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged"}, args,
-                        root, inputs_hook=counter)
+                r = run(arm, {**overrides, "shared_prefix": arm != "plain", "merged_rollouts": arm == "merged",
+                              "backend": "vllm" if arm == "vllm" else "transformers"}, args, root, inputs_hook=counter)
             finally:
                 shared_prefix_trainer.COST_MODEL = True
             r.update(prefix_state(arm))
@@ -225,6 +234,11 @@ def main(argv=None):
         print(f"shared / merged: step {out['merged_over_shared']['step']}x, generate "
               f"{out['merged_over_shared']['generate']}x, train {out['merged_over_shared']['train']}x; merged "
               f"rollouts' log-prob gap {m['merged_logprob_gap']}")
+    if {"merged", "vllm"} <= set(results):
+        m, v = results["merged"], results["vllm"]
+        out["vllm_over_merged"] = {k: round(m[f"{k}_s"] / v[f"{k}_s"], 2) for k in ("step", "generate", "train")}
+        print(f"merged / vllm: step {out['vllm_over_merged']['step']}x, generate {out['vllm_over_merged']['generate']}x"
+              f", train {out['vllm_over_merged']['train']}x; vLLM's largest log-prob gap {v['logp_gap_max']}")
     print(json.dumps(out))
     return out
 

