@@ -142,6 +142,9 @@ def world(tmp_path_factory):
     ids["grpo_spider"] = evaluate("spider", "outputs/grpo/adapter", spider_a, spider_b, ids["sft_spider"])
     ids["better_bird"] = evaluate("bird", "outputs/grpo/adapter", better_a, better_b, ids["sft_bird"])
     ids["other_base"] = evaluate("bird", "outputs/grpo/adapter", bird_a, model="other-org/other-model")
+    # the same answers evaluated alone, without a baseline, as a study's cells are
+    ids["alone_bird"] = evaluate("bird", "outputs/grpo/adapter", bird_a)
+    ids["alone_spider"] = evaluate("spider", "outputs/grpo/adapter", spider_a)
 
     # an adapter on a local checkpoint (a full fine-tune): publishable as a dry run only
     snapshot = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -896,12 +899,13 @@ eval_sets:
 """
 
 
-def hand_built_study(root: Path, ids: dict) -> Path:
+def hand_built_study(root: Path, ids: dict, as_run: bool = False) -> Path:
     """A study folder as `slmsql study run` leaves it, its records made here from the sweep's hand-made results (no
     training): outcome is the sweep's `defaults` (null on both sets; its seed 1 is the world's GRPO run, evaluated
     by grpo_bird / grpo_spider), dense its binary-reward variant (far better on bird), qatch lacks seed 2's record
     (no verdict). outcome's records carry a diagnosis, dense's and qatch's are older ones, without. Its report
-    is written by `slmsql study report`'s own code."""
+    is written by `slmsql study report`'s own code. `as_run`: the records name runs as `study run` makes them: the
+    start's evaluations (sft_bird / sft_spider) and filter, and seed 1 evaluated alone (alone_bird / alone_spider)."""
     from slmsql.configs import StudyReportConfig
     from slmsql.stages import study as study_stage
     from slmsql.studies import diagnosis, records, spec
@@ -914,14 +918,17 @@ def hand_built_study(root: Path, ids: dict) -> Path:
     as_results = lambda by_set: {es: {f"q{i}": [bool(c), "0" * 16] for i, c in enumerate(v)}  # noqa: E731
                                  for es, v in by_set.items()}
     records.write(study, records.make(study, records.START, config=study.start_config(), start={"fingerprint": "f0"},
-                                      code_version="c0de", results=as_results(data["baseline"]), metrics={}, runs={}))
+                                      code_version="c0de", results=as_results(data["baseline"]), metrics={},
+                                      runs={"eval_runs": {es: ids[f"sft_{es}"] for es in ("bird", "spider")},
+                                            "filter_run": ids["filter"]} if as_run else {}))
+    evals = "alone" if as_run else "grpo"
     like = {"outcome": "defaults", "dense": "runs_tier=0.0 format_tier=0.0", "qatch": "defaults"}
     for c in study.cells():
         if c.id == "qatch-seed2":
             continue
         mine = c.id == "outcome-seed1"
         runs = {"grpo_run": ids["grpo"] if mine else f"g-{c.id}",
-                "eval_runs": {es: ids[f"grpo_{es}"] if mine else f"e-{c.id}-{es}" for es in ("bird", "spider")}}
+                "eval_runs": {es: ids[f"{evals}_{es}"] if mine else f"e-{c.id}-{es}" for es in ("bird", "spider")}}
         why = {**dict.fromkeys(diagnosis.KEYS), "logged_steps": 40, "pass_first10": 0.2, "pass_last10": 0.6,
                "zero_std": 0.5, "draws_min": 3, "draws_max": 3} if c.arm == "outcome" else None
         records.write(study, records.make(
@@ -978,6 +985,32 @@ def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_
     assert f"--study {folder}" in section(card, "Reproduce")
     assert f"--eval-runs {store['grpo_bird']},{store['grpo_spider']}" in section(card, "Reproduce")
     assert f"`{folder}`" in section(card, "Provenance")
+
+
+def test_a_study_cells_card_compares_each_evaluation_with_the_starts(store, tmp_path):
+    """A study's cells are evaluated without a baseline; the card pairs each with the start's evaluation of that
+    set (from the records), as an evaluation run against it would have, and takes the start's filter run."""
+    from slmsql.stages.publish import main
+
+    folder = hand_built_study(tmp_path, store, as_run=True)
+    main(config(store, tmp_path, evals=(), filter_run="", study=str(folder), dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in section(card, "Results").splitlines()
+            if line.startswith(("| bird |", "| spider |"))}
+    # the world's pairs: bird 50 both right, 4 only GRPO, 5 only the start (of 149); spider 160 / 6 / 4 (of 200)
+    assert "| 4 / 5 |" in rows["bird"] and "| 6 / 4 |" in rows["spider"]
+    assert "| 36.9% [" in rows["bird"] and "| 36.2% [" in rows["bird"]  # 55/149 the start's, 54/149 this cell's
+    verdicts = {es: line.split("|")[9].strip() for es, line in rows.items()}
+    assert verdicts == dict.fromkeys(("bird", "spider"), "no significant difference (α = 0.05)")
+    # the same table as the card of the evaluations run against the start's (evaluate's own comparison)
+    main(config(store, tmp_path, evals=("grpo_bird", "grpo_spider"), output_dir=str(tmp_path / "paired"),
+                dry_run=True))
+    paired = (tmp_path / "paired" / "README.md").read_text()
+    assert all(line in section(paired, "Results").splitlines() for line in rows.values())
+    # the start's filter run, without --filter-run
+    assert "| band |" in section(card, "RL data: pass-rate filter")
+    for run in ("sft_bird", "sft_spider", "filter"):  # cited, and in the reproduce commands
+        assert store[run] in section(card, "Provenance")
 
 
 def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, tmp_path):

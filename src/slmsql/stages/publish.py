@@ -19,7 +19,8 @@ registry version.
 
 With --study the GRPO run must be a cell of that study (its record names the run) and the study's report.json the one
 its records give now; the card then states the study's comparisons, what transferred and what did not, and its
-diagnosis per arm (`study_of`: a study is read here, a layer above the card).
+diagnosis per arm (`study_of`: a study is read here, a layer above the card). Its results table pairs each of the
+cell's evaluations with the start's on that set, and its filter run is the start's, unless --filter-run says another.
 
 A local base (a full fine-tune) is published only with --base-repo: its folder is pushed as it is (hard-linked
 into OUT/base/, not copied) with a card saying what it is and where it came from (the SFT run that wrote it,
@@ -100,6 +101,9 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
         run = tracking.stage_run_of(client, run_id, "evaluate", "evaluation")
         _same_base(run, model, "evaluation")
         metrics = json.loads(tracking.download(run_id, "metrics.json", tmp / run_id).read_text())
+        vs_start = (study or {}).get("vs_start", {}).get(run.data.tags.get("slmsql.dataset"))
+        if vs_start and not metrics.get("comparison"):  # a cell is evaluated alone: the report's baseline is the start
+            metrics["comparison"] = vs_start
         baseline = (metrics.get("comparison") or {}).get("baseline_run")
         if baseline:
             baselines[baseline] = tracking.stage_run_of(client, baseline, "evaluate", "baseline evaluation")
@@ -117,13 +121,14 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
                       settings=settings,
                       history={k: [m.value for m in client.get_metric_history(grpo.info.run_id, k)]
                                for _, k, _, _ in cards.TELEMETRY})
-    if cfg.filter_run:
-        runs.filter = tracking.stage_run_of(client, cfg.filter_run, "filter", "filter")
-        runs.filter_summary = json.loads(tracking.download(cfg.filter_run, "summary.json", tmp / "filter").read_text())
+    filter_run = cfg.filter_run or (study or {}).get("filter_run")  # a study's band is its start's filter's
+    if filter_run:
+        runs.filter = tracking.stage_run_of(client, filter_run, "filter", "filter")
+        runs.filter_summary = json.loads(tracking.download(filter_run, "summary.json", tmp / "filter").read_text())
         trained = _rl_rows(grpo)
         band = runs.filter_summary["buckets"]["band"]
         if trained is not None and trained != band:
-            raise SlmsqlError(f"filter run {cfg.filter_run} kept {band} band questions, but GRPO run {cfg.grpo_run} "
+            raise SlmsqlError(f"filter run {filter_run} kept {band} band questions, but GRPO run {cfg.grpo_run} "
                               f"trained on {trained}: not the same RL data")
     return runs, adapter
 
@@ -131,8 +136,11 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
 def study_of(cfg: PublishConfig) -> dict:
     """The study whose cell --grpo-run is (publish --study): its cell record (strictly read, as `study report`
     reads them), its report.json, which must be the one its records give now (a stale report would put other
-    verdicts on the card than the records hold), and its diagnosis table as the report prints it."""
+    verdicts on the card than the records hold), its diagnosis table as the report prints it, and per eval set the
+    cell's paired comparison against the start's evaluation (evaluate's own, from the records' per-question results:
+    a cell's evaluations run without a baseline) and the start's filter run."""
     from slmsql.inputs.data import dumps
+    from slmsql.stats import inference
     from slmsql.studies import records, report, spec, tables
 
     if cfg.sweep_run:
@@ -154,9 +162,15 @@ def study_of(cfg: PublishConfig) -> dict:
     if written != json.loads(dumps(now, allow_nan=False)):
         raise DataError(f"not the report the study's records give now: run `slmsql study report {cfg.study}` first",
                         path)
+    made = (start or {}).get("mlflow") or {}
+    vs_start = {es: {"baseline_run": made["eval_runs"][es],  # the cell against its start, question by question
+                     **inference.compare([rec["results"][es][q][0] for q in qs],
+                                         [start["results"][es][q][0] for q in qs], alpha=study.alpha)}
+                for es, qs in rec["results"].items()
+                if es in made.get("eval_runs", {}) and sorted(start["results"].get(es, {})) == sorted(qs)}
     return {"folder": cfg.study, "record": rec, "report": written, "cell": rec["cell"], "arm": rec["arm"],
-            "seed": rec["seed"], "diagnosis": tables.diagnosis_table(written["diagnosis"],
-                                                                     [es["name"] for es in written["eval_sets"]])}
+            "seed": rec["seed"], "vs_start": vs_start, "filter_run": made.get("filter_run"),
+            "diagnosis": tables.diagnosis_table(written["diagnosis"], [es["name"] for es in written["eval_sets"]])}
 
 
 def local_base(client, cfg: PublishConfig, grpo, model: str, tmp: Path) -> cards.Base:
