@@ -10,6 +10,7 @@ file name, before anything runs or any report is written: never pooled, never ov
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -137,6 +138,12 @@ def _check_diagnosis(d, path: Path) -> None:
                             field=f"diagnosis.{key}")
 
 
+@functools.cache
+def _defaults(cls) -> dict:
+    """A stage's default options as params (built once: read() checks every record against them)."""
+    return configs.to_params(cls())
+
+
 def _with_new_defaults(recorded: dict, declared: dict) -> dict:
     """A cell record's config with each GRPO or evaluate option it lacks taken from the declaration where the
     declaration leaves it at its default: an option added to a stage after the record was made, at its default,
@@ -146,7 +153,7 @@ def _with_new_defaults(recorded: dict, declared: dict) -> dict:
     for section, cls in (("grpo", GRPOStageConfig), ("evaluate", EvaluateConfig)):
         have, want = recorded.get(section), declared.get(section)
         if isinstance(have, dict) and isinstance(want, dict):
-            default = configs.to_params(cls())
+            default = _defaults(cls)
             out[section] = {**have, **{k: v for k, v in want.items() if k not in have and default.get(k) == v}}
     return out
 
