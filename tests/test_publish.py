@@ -608,6 +608,7 @@ def test_filter_run_of_other_data_is_refused(store, tmp_path, monkeypatch):
 ])
 def test_tldr_is_chosen_by_the_verdicts(counts, expected):
     from slmsql.publishing.card import tldr
+    from slmsql.stats.wording import pval
 
     results = []
     for dataset, c in counts.items():
@@ -619,6 +620,9 @@ def test_tldr_is_chosen_by_the_verdicts(counts, expected):
     assert ("null result" in text) == (expected.endswith("a null result"))
     for r in results:  # the numbers behind the headline are the comparison's
         assert f"{r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%}" in text
+        p = r["cmp"]["mcnemar_p"]  # "p < 0.001", or "p = 0.xx": never "p = < 0.001"
+        assert (f"McNemar p < 0.001)" if p < 0.001 else f"McNemar p = {pval(p)})") in text
+    assert "= <" not in text
     assert "claims no gain" in tldr([{**results[0], "cmp": None}], "its SFT starting point", {})
 
 
@@ -899,20 +903,21 @@ eval_sets:
 """
 
 
-def hand_built_study(root: Path, ids: dict, as_run: bool = False) -> Path:
+def hand_built_study(root: Path, ids: dict, as_run: bool = False, declared: str = "") -> Path:
     """A study folder as `slmsql study run` leaves it, its records made here from the sweep's hand-made results (no
     training): outcome is the sweep's `defaults` (null on both sets; its seed 1 is the world's GRPO run, evaluated
     by grpo_bird / grpo_spider), dense its binary-reward variant (far better on bird), qatch lacks seed 2's record
     (no verdict). outcome's records carry a diagnosis, dense's and qatch's are older ones, without. Its report
     is written by `slmsql study report`'s own code. `as_run`: the records name runs as `study run` makes them: the
-    start's evaluations (sft_bird / sft_spider) and filter, and seed 1 evaluated alone (alone_bird / alone_spider)."""
+    start's evaluations (sft_bird / sft_spider) and filter, and seed 1 evaluated alone (alone_bird / alone_spider).
+    `declared`: more of study.yaml (its comparisons; by default each arm against the start)."""
     from slmsql.configs import StudyReportConfig
     from slmsql.stages import study as study_stage
     from slmsql.studies import diagnosis, records, spec
 
     folder = root / "studies" / "handmade"
     folder.mkdir(parents=True)
-    (folder / "study.yaml").write_text(STUDY_YAML)
+    (folder / "study.yaml").write_text(STUDY_YAML + declared)
     study = spec.load(folder)
     data = seed_results()
     as_results = lambda by_set: {es: {f"q{i}": [bool(c), "0" * 16] for i, c in enumerate(v)}  # noqa: E731
@@ -987,6 +992,37 @@ def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_
     assert f"`{folder}`" in section(card, "Provenance")
 
 
+def test_an_arm_against_an_arm_is_said_as_better_or_not_not_as_transferred(store, tmp_path):
+    """Against another arm the question is whether this arm transferred better, not whether it transferred: the
+    card says "better than ARM" / "not better than ARM" there, and "transferred" only of comparisons with the
+    start."""
+    from slmsql.stages.publish import main
+
+    folder = hand_built_study(tmp_path, store, declared=(
+        "comparisons:\n  - {arm: outcome}\n  - {arm: dense, against: outcome}\n  - {arm: qatch, against: outcome}\n"))
+    rep = json.loads((folder / "report.json").read_text())
+    verdicts = {(r["label"], r["eval_set"]): r["verdict"] for r in rep["rows"]}
+    assert (verdicts[("dense vs outcome", "bird")], verdicts[("dense vs outcome", "spider")],
+            verdicts[("outcome vs start", "bird")]) == ("improved", "no significant difference",
+                                                         "no significant difference")
+    main(config(store, tmp_path, evals=(), study=str(folder), dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    tldr = re.search(r"\*\*TL;DR\.\*\* (.*)", card).group(1)
+    assert ("Nothing transferred: no comparison with the start is a significant gain after Holm's adjustment over "
+            "the 6 declared comparisons. Not transferred: `outcome vs start` on bird (no significant difference); "
+            "`outcome vs start` on spider (") in tldr
+    assert ("Better than `outcome` (a significant gain after Holm's adjustment over the 6 declared comparisons, for "
+            "the seeds trained): `dense vs outcome` on bird. Not better than `outcome`: `dense vs outcome` on spider "
+            "(no significant difference).") in tldr
+    assert "`dense vs outcome` on spider" not in tldr.split("Not better than")[0]  # never "not transferred"
+    lines = {tuple(x.strip() for x in line.split("|")[1:3]): line for line in section(card, "Results").splitlines()
+             if line.startswith("| ") and " vs " in line}
+    assert lines[("dense vs outcome", "bird")].endswith("| improved | better than outcome |")
+    assert lines[("dense vs outcome", "spider")].endswith("| not better than outcome |")
+    assert lines[("outcome vs start", "bird")].endswith("| not transferred |")
+    assert lines[("qatch vs outcome", "bird")].endswith("| no verdict |")
+
+
 def test_a_study_cells_card_compares_each_evaluation_with_the_starts(store, tmp_path):
     """A study's cells are evaluated without a baseline; the card pairs each with the start's evaluation of that
     set (from the records), as an evaluation run against it would have, and takes the start's filter run."""
@@ -1011,6 +1047,32 @@ def test_a_study_cells_card_compares_each_evaluation_with_the_starts(store, tmp_
     assert "| band |" in section(card, "RL data: pass-rate filter")
     for run in ("sft_bird", "sft_spider", "filter"):  # cited, and in the reproduce commands
         assert store[run] in section(card, "Provenance")
+
+
+def test_a_study_cell_publishes_where_the_starts_runs_are_not(store, tmp_path, caplog):
+    """Studies run anywhere: the machine publishing a cell may not hold the start's runs (its records name them).
+    The card's comparison with the start then comes from the records alone; what needs the runs themselves (the
+    filter's table, the start's reproduce commands) is left out, with a warning naming the run and the record. A
+    --filter-run given by hand is still refused when it does not exist."""
+    from slmsql.stages.publish import main
+
+    gone = {"sft_bird": "a" * 32, "sft_spider": "b" * 32, "filter": "c" * 32}  # runs of another machine's store
+    folder = hand_built_study(tmp_path, {**store, **gone}, as_run=True)
+    with caplog.at_level(logging.WARNING, logger="slmsql.stages.publish"):
+        main(config(store, tmp_path, evals=(), filter_run="", study=str(folder), dry_run=True))
+    card = (tmp_path / "out" / "README.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in section(card, "Results").splitlines()
+            if line.startswith(("| bird |", "| spider |"))}
+    assert "| 4 / 5 |" in rows["bird"] and "| 6 / 4 |" in rows["spider"]  # the records' pairs, as with the runs
+    assert "| 36.9% [" in rows["bird"] and "| 36.2% [" in rows["bird"]
+    assert "## RL data: pass-rate filter" not in card and "evaluate the starting point" not in card
+    said = " ".join(r.getMessage() for r in caplog.records)
+    for run in gone.values():
+        assert f"run {run} ({folder}/records/start.json) is not in" in said
+    with pytest.raises(SlmsqlError, match=f"filter run '{gone['filter']}' does not exist"):
+        main(config(store, tmp_path, evals=(), filter_run=gone["filter"], study=str(folder), dry_run=True,
+                    output_dir=str(tmp_path / "again")))
+    assert not (tmp_path / "again").exists()
 
 
 def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, tmp_path):

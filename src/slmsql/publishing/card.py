@@ -126,10 +126,16 @@ def headline(verdicts: dict[str, str], start: str, subject: str = "This adapter"
     return f"{subject} does not beat {start}: a null result (no significant difference on any dataset)."
 
 
+def _p_is(p: float) -> str:
+    """"= 0.24", or "< 0.001" (never "= < 0.001")."""
+    text = pval(p)
+    return text if text.startswith("<") else f"= {text}"
+
+
 def _facts(compared: list[dict]) -> str:
     return "; ".join(f"{r['dataset']}: {r['cmp']['ex_b']:.1%} → {r['cmp']['ex_a']:.1%} "
                      f"({pts(r['cmp']['diff'])} points, {1 - r['alpha']:.0%} CI [{pts(r['cmp']['diff_ci_low'])}, "
-                     f"{pts(r['cmp']['diff_ci_high'])}], McNemar p = {pval(r['cmp']['mcnemar_p'])})"
+                     f"{pts(r['cmp']['diff_ci_high'])}], McNemar p {_p_is(r['cmp']['mcnemar_p'])})"
                      for r in compared)
 
 
@@ -163,8 +169,8 @@ def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -
     facts = "; ".join(
         f"{r['eval_set']}: {r['ex_b']:.1%} → {r['ex_mean']:.1%} mean over seeds (between seeds: sd "
         f"{points(r['ex_sd'])} points, {pct(r['ex_min'])}–{pct(r['ex_max'])}; difference {pts(r['diff'])} points, "
-        f"{level} CI [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}], p = {pval(r['p'])}, Holm-adjusted "
-        f"p = {pval(r['p_holm'])} over {sweep['comparisons']} comparisons)" for r in mine)
+        f"{level} CI [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}], p {_p_is(r['p'])}, Holm-adjusted "
+        f"p {_p_is(r['p_holm'])} over {sweep['comparisons']} comparisons)" for r in mine)
     text = f"Pooled over {len(sweep['seeds'])} training seeds, {head[0].lower()}{head[1:]} {facts}."
     compared = [r for r in results if r["cmp"]]
     if compared:
@@ -173,9 +179,15 @@ def pooled_tldr(sweep: dict, results: list[dict], start: str, telemetry: dict) -
 
 
 def transfer(row: dict) -> str:
-    """A study comparison's word on the card: "transferred" only for a significant gain after Holm (pooled)."""
-    return "no verdict" if row["verdict"] is None else "transferred" if row["verdict"] == "improved" else \
-        "not transferred"
+    """A study comparison's word on the card, from its Holm verdict (pooled). Against the start: "transferred" only
+    for a significant gain. Against another arm the question is another one (did it transfer *better*; whether
+    either transferred is the start's rows' to say): "better than ARM" only for a significant gain."""
+    if row["verdict"] is None:
+        return "no verdict"
+    gain = row["verdict"] == "improved"
+    if row.get("against", "start") == "start":
+        return "transferred" if gain else "not transferred"
+    return f"better than {row['against']}" if gain else f"not better than {row['against']}"
 
 
 def transfer_text(rows: list[dict], comparisons: int, level: str, numbers: bool = True) -> str:
@@ -185,22 +197,30 @@ def transfer_text(rows: list[dict], comparisons: int, level: str, numbers: bool 
         what = f"`{r['label']}` on {r['eval_set']}" + (f": {r['verdict']}" if verdict and numbers else "")
         if not numbers:
             return f"{what} ({r['verdict']})" if verdict else what
-        p = pval(r["p_holm"])
         return (f"{what} ({pts(r['diff'])} points, {level} CI [{pts(r['diff_ci_low'])}, {pts(r['diff_ci_high'])}], "
-                f"p (Holm) {p if p.startswith('<') else '= ' + p}; over seeds, for the method: "
+                f"p (Holm) {_p_is(r['p_holm'])}; over seeds, for the method: "
                 f"{r['seed_verdict'] or 'no verdict'})")
 
-    by = {word: [r for r in rows if transfer(r) == word] for word in ("transferred", "not transferred", "no verdict")}
+    by = {}
+    for r in rows:  # each word's comparisons, the words in the rows' order
+        by.setdefault(transfer(r), []).append(r)
+    gain = (f"a significant gain after Holm's adjustment over the {comparisons} declared comparisons, for the seeds "
+            "trained")
     parts = []
-    if by["transferred"]:
-        parts.append(f"Transferred (a significant gain after Holm's adjustment over the {comparisons} declared "
-                     f"comparisons, for the seeds trained): {'; '.join(say(r) for r in by['transferred'])}.")
-    elif by["not transferred"]:
-        parts.append(f"Nothing transferred: none of the {comparisons} declared comparisons is a significant gain "
-                     "after Holm's adjustment.")
-    if by["not transferred"]:
+    if by.get("transferred"):
+        parts.append(f"Transferred ({gain}): {'; '.join(say(r) for r in by['transferred'])}.")
+    elif by.get("not transferred"):
+        parts.append(f"Nothing transferred: no comparison with the start is a significant gain after Holm's "
+                     f"adjustment over the {comparisons} declared comparisons.")
+    if by.get("not transferred"):
         parts.append("Not transferred: " + "; ".join(say(r, verdict=True) for r in by["not transferred"]) + ".")
-    if by["no verdict"]:
+    for word in [w for w in by if w.startswith("better than ")]:
+        arm = word.removeprefix("better than ")
+        parts.append(f"Better than `{arm}` ({gain}): {'; '.join(say(r) for r in by[word])}.")
+    for word in [w for w in by if w.startswith("not better than ")]:
+        arm = word.removeprefix("not better than ")
+        parts.append(f"Not better than `{arm}`: " + "; ".join(say(r, verdict=True) for r in by[word]) + ".")
+    if by.get("no verdict"):
         parts.append("No verdict: " + "; ".join(f"{say(r)} ({r['reason']})" for r in by["no verdict"]) + ".")
     return " ".join(parts)
 

@@ -20,7 +20,8 @@ registry version.
 With --study the GRPO run must be a cell of that study (its record names the run) and the study's report.json the one
 its records give now; the card then states the study's comparisons, what transferred and what did not, and its
 diagnosis per arm (`study_of`: a study is read here, a layer above the card). Its results table pairs each of the
-cell's evaluations with the start's on that set, and its filter run is the start's, unless --filter-run says another.
+cell's evaluations with the start's on that set, and its filter run is the start's, unless --filter-run says another;
+where this tracking server lacks the start's runs (a study's cells run anywhere), the pairs come from the records alone.
 
 A local base (a full fine-tune) is published only with --base-repo: its folder is pushed as it is (hard-linked
 into OUT/base/, not copied) with a card saying what it is and where it came from (the SFT run that wrote it,
@@ -102,10 +103,11 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
         _same_base(run, model, "evaluation")
         metrics = json.loads(tracking.download(run_id, "metrics.json", tmp / run_id).read_text())
         vs_start = (study or {}).get("vs_start", {}).get(run.data.tags.get("slmsql.dataset"))
-        if vs_start and not metrics.get("comparison"):  # a cell is evaluated alone: the report's baseline is the start
+        from_start = bool(vs_start) and not metrics.get("comparison")
+        if from_start:  # a cell is evaluated alone: the report's baseline is the start
             metrics["comparison"] = vs_start
         baseline = (metrics.get("comparison") or {}).get("baseline_run")
-        if baseline:
+        if baseline and (not from_start or _held(client, baseline, "evaluation", study)):
             baselines[baseline] = tracking.stage_run_of(client, baseline, "evaluate", "baseline evaluation")
             _same_base(baselines[baseline], model, "baseline evaluation")
         evals.append((run, metrics))
@@ -122,6 +124,8 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
                       history={k: [m.value for m in client.get_metric_history(grpo.info.run_id, k)]
                                for _, k, _, _ in cards.TELEMETRY})
     filter_run = cfg.filter_run or (study or {}).get("filter_run")  # a study's band is its start's filter's
+    if filter_run and not cfg.filter_run and not _held(client, filter_run, "filter", study):
+        filter_run = None
     if filter_run:
         runs.filter = tracking.stage_run_of(client, filter_run, "filter", "filter")
         runs.filter_summary = json.loads(tracking.download(filter_run, "summary.json", tmp / "filter").read_text())
@@ -131,6 +135,23 @@ def gather(cfg: PublishConfig, tmp: Path) -> tuple[cards.Runs, Path]:
             raise SlmsqlError(f"filter run {filter_run} kept {band} band questions, but GRPO run {cfg.grpo_run} "
                               f"trained on {trained}: not the same RL data")
     return runs, adapter
+
+
+def _held(client, run_id: str, role: str, study: dict) -> bool:
+    """Whether this tracking server holds the study's start run `run_id`. A study's cells run anywhere (its records
+    are the data), so the machine publishing a cell may not hold the start's runs: the card's comparison with the
+    start then comes from the records alone, without that run's reproduce command (and, for the filter, its table)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+        return True
+    except MlflowException:
+        log.warning("the start's %s run %s (%s/records/start.json) is not in %s: the card compares with the start "
+                    "from the study's records, without that run's %s", role, run_id, study["folder"],
+                    mlflow.get_tracking_uri(), "table and command" if role == "filter" else "command")
+        return False
 
 
 def study_of(cfg: PublishConfig) -> dict:
