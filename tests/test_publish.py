@@ -1064,6 +1064,7 @@ def test_a_study_cell_publishes_where_the_starts_runs_are_not(store, tmp_path, c
     rows = {line.split("|")[1].strip(): line for line in section(card, "Results").splitlines()
             if line.startswith(("| bird |", "| spider |"))}
     assert "| 4 / 5 |" in rows["bird"] and "| 6 / 4 |" in rows["spider"]  # the records' pairs, as with the runs
+    assert "| The study's start: EX [95% CI] |" in section(card, "Results")  # what the records know it as
     assert "| 36.9% [" in rows["bird"] and "| 36.2% [" in rows["bird"]
     assert "## RL data: pass-rate filter" not in card and "evaluate the starting point" not in card
     said = " ".join(r.getMessage() for r in caplog.records)

@@ -303,6 +303,8 @@ def _targets(adapter_config: dict) -> str:
 
 def _start_label(runs: Runs) -> str:
     """How the card names the comparison point: only call it the SFT start when the baseline evaluated it."""
+    if runs.study is not None and not runs.baselines:  # a study's start, its runs elsewhere: known by its record
+        return "the study's start"
     base_adapter = runs.grpo.data.tags.get("slmsql.base_adapter", "")
     adapters = {run.data.tags.get("slmsql.adapter", "") for run in runs.baselines.values()}
     if base_adapter and adapters and all(same_model(a, base_adapter) for a in adapters):
