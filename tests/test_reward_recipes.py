@@ -116,6 +116,25 @@ def test_the_dense_set_pays_partial_credit_where_the_outcome_set_cannot(shop_sal
     assert outcome[0] == outcome[1] and dense[0] > dense[1]
 
 
+def test_dropping_the_condition_pays_under_qatch_below_a_pass_rate(shop_sales):
+    """The loophole the rule above does not close: a query without its WHERE clause returns every gold cell (cell
+    recall 1) whatever the condition, so QATCH pays it a sure partial credit, which beats trying whenever the
+    policy's chance q of a right condition is below q* = (dropped - wrong) / (right - wrong). The transfer study's
+    qatch-seed0 collapsed onto it (docs/stages/grpo.md). Outcome-only has no such q*: dropping the condition scores
+    what a wrong one does."""
+    gold = "SELECT name FROM item WHERE kind = 'office'"  # pen and pad, of pen, cup, pad, pot
+    answers = [gold, "SELECT name FROM item", "SELECT name FROM item WHERE kind = 'kitchen'"]
+
+    def breakeven(name):
+        right, dropped, wrong = totals(reward_set(name), gold, answers, shop_sales, True)
+        return (dropped - wrong) / (right - wrong)
+
+    assert breakeven("outcome") == 0.0
+    # by hand, from qatch.yaml's weights: right 1 + 0.5 + 0.5 + 0.2 (format) = 2.2; the wrong condition runs (0.1)
+    # and shares no cell with the gold: 0.3; no condition: 0.1 + 0.5 x precision 2/4 + 0.5 x recall 1 + 0.2 = 1.05
+    assert breakeven("qatch") == pytest.approx((1.05 - 0.3) / (2.2 - 0.3))  # 0.39
+
+
 # ---- a reward set on the toy, in a new process -------------------------------------------------------------
 
 @pytest.mark.slow
