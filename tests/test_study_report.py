@@ -240,7 +240,9 @@ def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_
     a, b, c, d = rep["diagnosis"]
     assert a == {"arm": "a", "seeds": [0, 1], "diagnosed": [0, 1], "logged_steps": 20, "pass_first10": 0.2,
                  "pass_last10": 0.6, "groups_vary": 0.6, "zero_std": pytest.approx(0.3), "cut_first10": 0.5,
-                 "cut_last10": 0.0, "draws_min": 2, "draws_max": 4, "turned": {"dev": {"right": 2.5, "wrong": 1.0}}}
+                 "cut_last10": 0.0, "draws_min": 2, "draws_max": 4, "turned": {"dev": {"right": 2.5, "wrong": 1.0}},
+                 "cells": [{"seed": 0, "diagnosis": cells[0]["diagnosis"], "turned": {"dev": {"right": 2, "wrong": 2}}},
+                           {"seed": 1, "diagnosis": cells[1]["diagnosis"], "turned": {"dev": {"right": 3, "wrong": 0}}}]}
     assert (b["diagnosed"], b["pass_first10"], b["groups_vary"], b["turned"]) == ([0], 0.4, None,
                                                                                    {"dev": {"right": 0, "wrong": 0.5}})
     assert (c["diagnosed"], c["pass_first10"], c["draws_min"], c["turned"]) == ([], None, None,
@@ -253,6 +255,13 @@ def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_
     assert "| b | 0, 1 (diagnosis not recorded: 1) | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | 0.0 / 0.5 |\n" in md
     assert "| c | 0, 1 |" + " not recorded |" * 5 + " 2.0 / 2.0 |\n" in md
     assert "| d | none recorded |" + " n/a |" * 6 + "\n" in md
+    # each seed under its arm's mean, its own figures: a seed that went its own way is not hidden in the mean
+    assert ("| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | 2.5 / 1.0 |\n"
+            "| a | seed 0 | 0.10 -> 0.50 | 50% | 20% | 50% -> 0% | 2-3 | 2 / 2 |\n"
+            "| a | seed 1 | 0.30 -> 0.70 | 70% | 40% | n/a | 3-4 | 3 / 0 |\n") in md
+    assert ("| b | seed 0 | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | 0 / 0 |\n"
+            "| b | seed 1 |" + " not recorded |" * 5 + " 0 / 1 |\n") in md
+    assert "| d | seed" not in md
     # without the start's record nothing is turned against it
     assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | n/a |\n" in report.markdown(
         report.build(study(["a", "b", "c", "d"], [0, 1]), None, cells))

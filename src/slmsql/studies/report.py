@@ -7,7 +7,8 @@ seed s. The family always has its declared size: a comparison whose records are 
 and gets no verdict, its estimate from the seeds present shown as incomplete, so a verdict never gets easier as
 records go missing. The missing cells are named, and so is the machine (float path) and code of every cell. Per arm, a
 diagnosis: the means over its seeds of its records' training-log figures (studies/diagnosis.py; "not recorded" for
-records from before them), and the questions its seeds turned right and wrong against the start, per eval set.
+records from before them), and the questions its seeds turned right and wrong against the start, per eval set;
+then each seed's own figures, so a seed that went its own way is not hidden in a mean.
 
 The report is a function of the records: no clock, no paths of this machine, so regenerating it from the same
 records gives the same bytes.
@@ -137,23 +138,32 @@ def _row(index: int, comp: dict, declared: dict, start, got: dict, ids, alpha: f
 def _diagnosis(arm: str, start: dict | None, recs: list[dict], ids: dict) -> dict:
     """One arm's diagnosis: the means over its seeds of its records' training-log figures (over the records that
     carry one: older records lack it), the spread of its band draws over all of them, and per eval set the
-    questions its seeds turned right and wrong against the start (a mean over seeds; None without the start)."""
-    have = [r["diagnosis"] for r in recs if r.get("diagnosis") is not None]
+    questions its seeds turned right and wrong against the start (a mean over seeds; None without the start); and
+    each seed's own (`cells`): a mean hides a seed that went its own way (a collapse shows in one seed's row)."""
+    cells = [{"seed": r["seed"], "diagnosis": r.get("diagnosis"), "turned": _turned(start, r, ids)} for r in recs]
+    have = [c["diagnosis"] for c in cells if c["diagnosis"] is not None]
     mean = diagnosis.mean  # of the numbers given: a figure a log lacked (None) is left out
 
     def spread(key, pick):
         values = [d[key] for d in have if d[key] is not None]
         return pick(values) if values else None
 
-    turned = {}
-    for es, qs in ids.items():
-        counts = [] if start is None else [diagnosis.turned({q: start["results"][es][q][0] for q in qs},
-                                                            {q: r["results"][es][q][0] for q in qs}) for r in recs]
-        turned[es] = {"right": mean([c[0] for c in counts]), "wrong": mean([c[1] for c in counts])} if counts else None
+    turned = {es: None if start is None or not cells else
+              {side: mean([c["turned"][es][side] for c in cells]) for side in ("right", "wrong")} for es in ids}
     return {"arm": arm, "seeds": [r["seed"] for r in recs],
             "diagnosed": [r["seed"] for r in recs if r.get("diagnosis") is not None],
             **{k: mean([d[k] for d in have]) for k in diagnosis.KEYS if not k.startswith("draws_")},
-            "draws_min": spread("draws_min", min), "draws_max": spread("draws_max", max), "turned": turned}
+            "draws_min": spread("draws_min", min), "draws_max": spread("draws_max", max), "turned": turned,
+            "cells": cells}
+
+
+def _turned(start: dict | None, rec: dict, ids: dict) -> dict:
+    """Per eval set, the questions the start got wrong and this record right, and the reverse (None: no start)."""
+    if start is None:
+        return dict.fromkeys(ids)
+    counts = {es: diagnosis.turned({q: start["results"][es][q][0] for q in qs},
+                                   {q: rec["results"][es][q][0] for q in qs}) for es, qs in ids.items()}
+    return {es: {"right": right, "wrong": wrong} for es, (right, wrong) in counts.items()}
 
 
 def _empty() -> dict:

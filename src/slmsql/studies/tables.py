@@ -60,12 +60,13 @@ def method_table(rows: list[dict], family: int, head: str = "variant", label=lam
 def diagnosis_table(arms: list[dict], eval_sets: list[str]) -> list[str]:
     """Per arm, why it gained or did not (a study report's `diagnosis`, studies/report.py): its training log's
     figures, means over its seeds ("not recorded": records from before the diagnosis), and the questions it turned
-    right and wrong against the start on each eval set."""
-    out = ["**Diagnosis.** Per arm, means over its recorded seeds: the sampled training pass rate of the first and "
-           "last 10 logged steps, the share of groups whose correctness varied and of groups with zero reward "
-           "variance, completions cut at the token budget (first and last 10 steps), how many steps drew each band "
-           "question (min-max over the seeds), and the questions the start got wrong and the cell right (turned "
-           "right) and the reverse, per eval set. \"not recorded\": its records predate the diagnosis.", "",
+    right and wrong against the start on each eval set; under an arm of several seeds, a row for each seed."""
+    out = ["**Diagnosis.** Per arm, means over its recorded seeds, then each seed on its own row: the sampled "
+           "training pass rate of the first and last 10 logged steps, the share of groups whose correctness varied "
+           "and of groups with zero reward variance, completions cut at the token budget (first and last 10 steps), "
+           "how many steps drew each band question (min-max), and the questions the start got wrong and the cell "
+           "right (turned right) and the reverse, per eval set. \"not recorded\": its records predate the "
+           "diagnosis.", "",
            "| arm | seeds | train pass rate, first -> last 10 steps | groups varying | zero reward std | cut at the "
            "token budget, first -> last 10 | draws per band question |"
            + "".join(f" {es}: turned right / wrong |" for es in eval_sets),
@@ -74,15 +75,21 @@ def diagnosis_table(arms: list[dict], eval_sets: list[str]) -> list[str]:
         lacking = [s for s in a["seeds"] if s not in a["diagnosed"]]
         seeds = (", ".join(map(str, a["seeds"])) or "none recorded") + (
             f" (diagnosis not recorded: {', '.join(map(str, lacking))})" if lacking and a["diagnosed"] else "")
-        if a["diagnosed"]:
-            draws = "n/a" if a["draws_min"] is None else f"{a['draws_min']}-{a['draws_max']}"
-            figures = [_first_last(a, "pass", "{:.2f}"), _share(a["groups_vary"]), _share(a["zero_std"]),
-                       _first_last(a, "cut", "{:.0%}"), draws]
-        else:
-            figures = ["not recorded" if a["seeds"] else "n/a"] * 5
+        figures = _figures(a) if a["diagnosed"] else ["not recorded" if a["seeds"] else "n/a"] * 5
         turned = [f"{t['right']:.1f} / {t['wrong']:.1f}" if t else "n/a" for t in (a["turned"][es] for es in eval_sets)]
         out.append(f"| {a['arm']} | {seeds} |" + "".join(f" {x} |" for x in figures + turned))
+        for c in a.get("cells", []) if len(a["seeds"]) > 1 else []:  # reports from before per-seed rows have none
+            figures = _figures(c["diagnosis"]) if c["diagnosis"] else ["not recorded"] * 5
+            turned = [f"{t['right']} / {t['wrong']}" if t else "n/a" for t in (c["turned"][es] for es in eval_sets)]
+            out.append(f"| {a['arm']} | seed {c['seed']} |" + "".join(f" {x} |" for x in figures + turned))
     return out
+
+
+def _figures(d: dict) -> list[str]:
+    """The training-log columns of one row, from an arm's means or one seed's figures (the same keys)."""
+    draws = "n/a" if d["draws_min"] is None else f"{d['draws_min']}-{d['draws_max']}"
+    return [_first_last(d, "pass", "{:.2f}"), _share(d["groups_vary"]), _share(d["zero_std"]),
+            _first_last(d, "cut", "{:.0%}"), draws]
 
 
 def _first_last(arm: dict, name: str, form: str) -> str:
