@@ -513,6 +513,59 @@ def ui_checks(browser, uri: str, link: str) -> None:
     assert row.startswith(f"Version {version.version}\n") and f"grpo_run\n: {version.run_id}" in row
 
 
+DIE_AFTER_CHECKPOINT_2 = """
+# sitecustomize for the first run only: the GRPO step, once its checkpoint-2 is saved, kills its whole process group
+# (the pipeline with it), as a machine lost mid-training would
+import os, signal, sys
+if "grpo" in sys.argv[1:2]:
+    from transformers.trainer_callback import CallbackHandler
+    on_save = CallbackHandler.on_save
+    def on_save_then_die(self, args, state, control):
+        control = on_save(self, args, state, control)
+        if state.global_step == 2:
+            os.killpg(0, signal.SIGKILL)
+        return control
+    CallbackHandler.on_save = on_save_then_die
+"""
+
+
+@pytest.mark.slow
+def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
+    """`slmsql pipeline` killed (SIGKILL, pipeline and step together) after GRPO's checkpoint-2; the same command
+    again, in a new process, reuses the finished steps, continues GRPO from its checkpoint in its own MLflow run
+    (not a new one beside it) and evaluates and publishes that run's adapter."""
+    import mlflow
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DIE_AFTER_CHECKPOINT_2)
+    env = {"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_DISABLE_TELEMETRY": "true",
+           "PATH": _path(), "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(tmp_path / "out"), "--overrides",
+            SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]
+    first = subprocess.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(hook), env["PYTHONPATH"]]))}, capture_output=True, text=True, timeout=900, start_new_session=True)
+    assert first.returncode == -9, first.stderr[-4000:]
+    partial = tmp_path / "out" / "grpo.partial"
+    assert (partial / "checkpoint-2").is_dir() and not (partial / "checkpoint-4").exists()
+    client = mlflow.MlflowClient()
+    (killed,) = [r for r in client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
+                 if r.info.run_name == "grpo"]
+    assert killed.info.status == "RUNNING"  # nobody was left to end it
+
+    again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.count("reused run") == 4  # toy, tiny-model, sft, filter
+    assert f"step grpo           continues its unfinished run {killed.info.run_id}" in again.stderr
+    runs = {r.info.run_name: r for r in client.search_runs([killed.info.experiment_id])}
+    assert runs["grpo"].info.run_id == killed.info.run_id and runs["grpo"].info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(killed.info.run_id, "loss")} == set(range(1, 7))
+    for step in ("eval-grpo-dev", "eval-grpo-dev_cross"):
+        assert runs[step].data.params["adapter"] == f"runs:/{killed.info.run_id}/adapter", step
+    assert runs["publish"].data.params["grpo_run"] == killed.info.run_id
+    assert not partial.exists() and (tmp_path / "out" / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.slow
 def test_rerun_reuses_finished_steps(lifecycle):
     """Last in this module: it adds a second pipeline run to the fixture's store."""

@@ -10,14 +10,18 @@ artifacts the next steps download, the metrics the headline prints) and a FINISH
 from __future__ import annotations
 
 import functools
+import json
 import shlex
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlflow
 import pytest
+from mlflow.exceptions import ExecutionException
 
 from slmsql import configs
+from slmsql.errors import SlmsqlError
 from slmsql.workflow import steps as workflow
 from slmsql.stages import pipeline
 
@@ -38,6 +42,7 @@ class FakeRun:
 
     def __init__(self, tmp_path):
         self.tmp, self.names = tmp_path, []
+        self.crash, self.calls = None, {}  # crash: a stage that dies half done; calls: step -> (run id, resume)
 
     def __call__(self, uri, entry_point, env_manager, run_id, parameters, synchronous):
         from mlflow.projects import _project_spec
@@ -48,8 +53,16 @@ class FakeRun:
         assert env_manager == "local" and synchronous
         client = mlflow.MlflowClient()  # workflow.Steps made the run (parent tag, MLproject params) before this
         self.names.append(client.get_run(run_id).info.run_name)
+        self.calls[self.names[-1]] = (run_id, parameters.get("resume"))
         # the stage: `slmsql <stage>` run by the shell with the command `mlflow run` builds (cli.py resolves it)
         stage = entry_point.replace("_", "-")
+        partial = Path(parameters["output_dir"] + ".partial")
+        if stage == self.crash:  # as a resumable stage leaves a crash: its work and resume state, the run unfinished
+            partial.mkdir(parents=True, exist_ok=True)
+            (partial / "resume_state.json").write_text(json.dumps({"identity": {}, "run_id": run_id}))
+            client.set_terminated(run_id, "FAILED")
+            raise ExecutionException(f"Run (ID '{run_id}') failed")
+        shutil.rmtree(partial, ignore_errors=True)  # a stage that succeeds promotes its .partial/
         project = _project_spec.load_project(workflow.ROOT)
         command = project.get_entry_point(entry_point).compute_command(parameters, None)
         argv = shlex.split(command)[2:]
@@ -102,6 +115,7 @@ def pipe(tmp_path, monkeypatch, empty_store):
                                     "tags.`slmsql.stage` = 'pipeline'", order_by=["attributes.start_time DESC"])[0]
         return list(fake.names), parent
 
+    run.fake = fake
     return run
 
 
@@ -179,3 +193,38 @@ def test_step_paths_are_project_relative_inside_the_project(tmp_path, monkeypatc
     steps.out, steps.experiment, steps.seed, steps.overrides, steps.recipes = workflow.ROOT / "outputs", "e", 0, {}, {}
     assert steps.params("sft", "sft", {})["output_dir"] == "outputs/sft"
     assert steps.params("sft", "sft", {"output_dir": tmp_path / "o"})["output_dir"] == str(tmp_path / "o")
+
+
+def test_a_step_a_crash_left_half_done_continues_in_its_own_run(pipe, tmp_path):
+    """GRPO dies half done (its .partial/ and resume state left, its run FAILED, as the stage leaves a crash). The
+    next pipeline run continues that run, with --resume, and hands it on to the steps after it; not a new, empty
+    run beside it. With other GRPO parameters the step starts anew; a resume state naming a run this store lacks
+    is refused, naming the folder."""
+    partial = tmp_path / "pipeline out" / "grpo.partial"
+    pipe.fake.crash = "grpo"
+    with pytest.raises(ExecutionException):
+        pipe("grpo.max_steps=3")
+    crashed = latest("grpo").info
+    assert crashed.status == "FAILED" and (partial / "resume_state.json").is_file()
+    pipe.fake.crash = None
+    ran, _ = pipe("grpo.max_steps=3")
+    assert ran == STEPS[STEPS.index("grpo"):]  # the finished steps before it reused
+    assert pipe.fake.calls["grpo"] == (crashed.run_id, "true")
+    assert latest("grpo").info.run_id == crashed.run_id and latest("grpo").info.status == "FINISHED"
+    assert mlflow.MlflowClient().get_run(pipe.fake.calls["eval-grpo-dev"][0]).data.params["adapter"] == \
+        f"runs:/{crashed.run_id}/adapter"
+    assert not partial.exists()
+
+    pipe.fake.crash = "grpo"
+    with pytest.raises(ExecutionException):
+        pipe("grpo.max_steps=4")
+    crashed = latest("grpo").info
+    pipe.fake.crash = None
+    pipe("grpo.max_steps=5")  # other parameters: not the crashed run's work
+    assert pipe.fake.calls["grpo"][0] != crashed.run_id and pipe.fake.calls["grpo"][1] is None
+
+    partial.mkdir()
+    (partial / "resume_state.json").write_text(json.dumps({"identity": {}, "run_id": "0" * 32}))
+    with pytest.raises(SlmsqlError, match=r"grpo\.partial holds the unfinished work of run 0{32}, which is not in "
+                                          r"this tracking store"):
+        pipe("grpo.max_steps=6")

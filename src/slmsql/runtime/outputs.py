@@ -37,6 +37,13 @@ def check_free(output_dir, overwrite: bool) -> Path:
     return out
 
 
+def unfinished_run(output_dir) -> str | None:
+    """The MLflow run of the unfinished work a crash left for `output_dir` (its `.partial/` resume state), or
+    None: what a workflow step continues in, rather than a new run (workflow/steps.py)."""
+    state = Path(output_dir).with_name(Path(output_dir).name + ".partial") / STATE
+    return json.loads(state.read_text(encoding="utf-8"))["run_id"] if state.is_file() else None
+
+
 class Staged:
     """`with Staged(out, overwrite) as st:` write into `st.work`; on success it becomes `out` in one rename."""
 

@@ -1,6 +1,6 @@
 """Multistep workflows (MLflow's pattern), shared by `pipeline` and `sweep`: each step is its own
 `mlflow.run` (local env manager) child of one parent run, and a finished step whose parameters and code
-version match is reused instead of re-run.
+version match is reused instead of re-run; one a crash left half done with these parameters continues in its run.
 
 Steps hand each other their outputs by run URI (artifacts downloaded from the tracking store, so a remote
 server works the same).
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from slmsql import configs
 from slmsql.errors import SlmsqlError
+from slmsql.runtime import outputs
 from slmsql.workflow import mlproject
 
 log = logging.getLogger(__name__)
@@ -166,14 +167,41 @@ class Steps:
             log.info("step %-14s reused run %s", name, found.info.run_id)
             self.reused.append(found.info.run_id)
             return found
-        log.info("step %-14s running ...", name)
         entry_point = mlproject.entry_point(stage)
-        run = self._create(entry_point, name, {**params, "overwrite": "true"}, tags or {})
+        if run := self.unfinished(stage, params):  # a crash left this step's work half done: go on from it
+            log.info("step %-14s continues its unfinished run %s ...", name, run.info.run_id)
+            resumes = "resume" in {f.name for f in dataclasses.fields(configs.STAGES[stage])}  # else implicit
+            resume = {"resume": "true"} if resumes else {}
+        else:
+            log.info("step %-14s running ...", name)
+            run, resume = self._create(entry_point, name, {**params, "overwrite": "true"}, tags or {}), {}
         # the run exists, tagged, before the step starts: `mlflow.run` then runs the entry point in it, blocking
         # (waiting without blocking would start one more `mlflow run` process per step)
         mlflow.run(str(ROOT), entry_point=entry_point, env_manager="local", run_id=run.info.run_id,
-                   parameters={**params, "overwrite": "true"}, synchronous=True)
+                   parameters={**params, "overwrite": "true", **resume}, synchronous=True)
         return self.client.get_run(run.info.run_id)
+
+    def unfinished(self, stage: str, params: dict):
+        """The run a crash left unfinished in this step's output folder (`.partial/`, runtime/outputs.py) when
+        it ran with these parameters, or None. The stage continues in it (its checkpoints, its finished rows)
+        and the workflow hands on that run, not a new empty one. With other parameters: None (a new run, which
+        replaces that work or refuses it, as the stage decides)."""
+        from mlflow.exceptions import MlflowException
+
+        if not (run_id := outputs.unfinished_run(params["output_dir"])):
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            raise SlmsqlError(f"{params['output_dir']}.partial holds the unfinished work of run {run_id}, which is "
+                              "not in this tracking store: rerun with the store it ran in, or delete the folder "
+                              "to start over") from None
+        try:
+            same = stage_config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == \
+                stage_config(stage, params)
+        except SlmsqlError:  # params this code cannot read back: not work to continue
+            return None
+        return run if same else None
 
     def _create(self, entry_point: str, name: str, params: dict, tags: dict):
         """The step's run as `mlflow.run` would create it (a child of the active run, the entry point's
