@@ -37,10 +37,15 @@ def check_free(output_dir, overwrite: bool) -> Path:
     return out
 
 
+def partial_of(output_dir) -> Path:
+    """The staging folder of `output_dir`: `<out>.partial`."""
+    return Path(output_dir).with_name(Path(output_dir).name + ".partial")
+
+
 def unfinished_run(output_dir) -> str | None:
     """The MLflow run of the unfinished work a crash left for `output_dir` (its `.partial/` resume state), or
     None: what a workflow step continues in, rather than a new run (workflow/steps.py)."""
-    state = Path(output_dir).with_name(Path(output_dir).name + ".partial") / STATE
+    state = partial_of(output_dir) / STATE
     return json.loads(state.read_text(encoding="utf-8"))["run_id"] if state.is_file() else None
 
 
@@ -50,7 +55,7 @@ class Staged:
     def __init__(self, output_dir, overwrite: bool = False, *, identity: dict | None = None,
                  resume: bool | None = None):
         self.out = check_free(output_dir, overwrite or bool(resume))
-        self.work = self.out.with_name(self.out.name + ".partial")
+        self.work = partial_of(self.out)
         self.overwrite, self.resume = overwrite, resume
         self.identity = None if identity is None else json.loads(json.dumps(identity, default=str))
         self.run_id: str | None = None  # the unfinished run this one continues, if any

@@ -77,6 +77,15 @@ def stage_config(stage: str, values: dict) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
 
 
+def _ran_with(stage: str, run, want: dict) -> bool:
+    """Whether `run` computed with the stage config `want` (`stage_config`): a run whose params this code cannot
+    read back did not."""
+    try:
+        return stage_config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == want
+    except SlmsqlError:
+        return False
+
+
 def use_this_cli() -> None:
     """`mlflow run` starts each step as `slmsql <stage>`: make this environment's CLI the one it finds. The steps
     are entry points of slmsql's MLproject, which a checkout has and an installed wheel does not: refused there,
@@ -149,13 +158,7 @@ class Steps:
             [self.experiment_id], f"tags.`slmsql.stage` = '{stage}' and tags.`slmsql.code_version` = "
             f"'{self.version}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
         want = stage_config(stage, params)
-        for run in runs:
-            try:
-                if stage_config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == want:
-                    return run
-            except SlmsqlError:  # params this code cannot read back: not a run to reuse
-                continue
-        return None
+        return next((run for run in runs if _ran_with(stage, run, want)), None)
 
     def run(self, stage: str, name: str, tags: dict | None = None, **given):
         """Run (or reuse) one step; returns its finished MLflow run. `tags` are on the step's run from its start
@@ -196,12 +199,7 @@ class Steps:
             raise SlmsqlError(f"{params['output_dir']}.partial holds the unfinished work of run {run_id}, which is "
                               "not in this tracking store: rerun with the store it ran in, or delete the folder "
                               "to start over") from None
-        try:
-            same = stage_config(stage, {k: _unquoted(v) for k, v in run.data.params.items()}) == \
-                stage_config(stage, params)
-        except SlmsqlError:  # params this code cannot read back: not work to continue
-            return None
-        return run if same else None
+        return run if _ran_with(stage, run, stage_config(stage, params)) else None
 
     def _create(self, entry_point: str, name: str, params: dict, tags: dict):
         """The step's run as `mlflow.run` would create it (a child of the active run, the entry point's
