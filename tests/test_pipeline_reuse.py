@@ -228,3 +228,24 @@ def test_a_step_a_crash_left_half_done_continues_in_its_own_run(pipe, tmp_path):
     with pytest.raises(SlmsqlError, match=r"grpo\.partial holds the unfinished work of run 0{32}, which is not in "
                                           r"this tracking store"):
         pipe("grpo.max_steps=6")
+
+
+def test_an_unfinished_step_inside_the_project_is_found_from_any_folder(tmp_path, monkeypatch):
+    """A step's output folder inside the project is a project-relative parameter (`outputs/...`); the workflow
+    finds the unfinished run there whatever folder it was started from."""
+    root = tmp_path / "project"
+    root.mkdir()
+    shutil.copy(workflow.ROOT / "MLproject", root)  # the step's run is made from its entry point's parameters
+    monkeypatch.setattr(workflow, "ROOT", root)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    client = mlflow.MlflowClient()
+    steps = workflow.Steps(client.create_experiment("e"), output_dir=root / "outputs", experiment="e")
+    params = steps.params("grpo", "grpo", {"max_steps": 6})
+    assert params["output_dir"] == "outputs/grpo"
+    run = steps._create("grpo", "grpo", {**params, "overwrite": "true"}, {})
+    (root / "outputs" / "grpo.partial").mkdir(parents=True)
+    (root / "outputs" / "grpo.partial" / "resume_state.json").write_text(
+        json.dumps({"identity": {}, "run_id": run.info.run_id}))
+    assert steps.unfinished("grpo", params).info.run_id == run.info.run_id
+    assert steps.unfinished("grpo", {**params, "max_steps": 7}) is None  # other parameters: not its work

@@ -191,7 +191,8 @@ class Steps:
         replaces that work or refuses it, as the stage decides)."""
         from mlflow.exceptions import MlflowException
 
-        if not (run_id := outputs.unfinished_run(params["output_dir"])):
+        # a path inside the project is relative to it (`project_path`), not to this process's folder
+        if not (run_id := outputs.unfinished_run(ROOT / params["output_dir"])):
             return None
         try:
             run = self.client.get_run(run_id)
