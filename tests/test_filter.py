@@ -323,7 +323,7 @@ def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
     monkeypatch.setattr(generation, "complete", complete)
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["filter", "--data", str(data), "--db-root", str(shop), "--model", str(tiny),
-                                      "--output-dir", str(out), "--k", "4", "--workers", "1"])
+                                      "--output-dir", str(out), "--k", "4", "--workers", "1", "--min-band", "1"])
     assert result.exit_code == 0, result.output
     (rate,) = read_jsonl(out / "passrates.jsonl")
     assert (rate["bucket"], rate["n_correct"], rate["statuses"]) == ("band", 2, ["correct", "error"] * 2)

@@ -73,12 +73,13 @@ def stages(tmp_path_factory):
     runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "3",
                           "--per-device-train-batch-size", "4", "--trainer-args", "gradient_checkpointing=true")}
     sft_out = str(root / "sft")
-    # the filter refuses an empty band (its data check), and which of 8 questions a 3-step SFT adapter gets
-    # right 1-3 times of 4 is the model's floats' business: one question's samples are pinned to 2 of 4 right
-    first = json.loads(rl.read_text().splitlines()[0])
-    right, wrong = f"```sql\n{first['sql']}\n```", "```sql\nSELECT 'pinned' AS wrong\n```"
+    # the filter refuses a band smaller than one GRPO step draws (its data check: 2 at the default shape), and which
+    # of 8 questions a 3-step SFT adapter gets right 1-3 times of 4 is the model's floats' business: two questions'
+    # samples are pinned to 2 of 4 right
+    wrong = "```sql\nSELECT 'pinned' AS wrong\n```"
     pins = root / "pins.json"
-    pins.write_text(json.dumps({"completions": {first["id"]: [right, wrong, right, wrong]}}))
+    pins.write_text(json.dumps({"completions": {
+        q["id"]: [f"```sql\n{q['sql']}\n```", wrong] * 2 for q in map(json.loads, rl.read_text().splitlines()[:2])}}))
     runs["filter"] = slmsql("filter", "--model", MODEL, "--adapter", sft_out, "--data",
                             str(world / "rl_source.jsonl"), *dbs, "--limit", "8", "--k", "4", "--workers", "1",
                             pins=pins)
@@ -131,7 +132,7 @@ def test_every_stage_finishes_on_the_hub_id(stages):
     assert runs["sft"].data.metrics["tokens/dropped_long"] == 0
     assert runs["sft"].data.metrics["tokens/example_max"] <= float(runs["sft"].data.params["max_length"])
     assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 8
-    assert runs["filter"].data.metrics["band"] >= 1  # the pinned question at least
+    assert runs["filter"].data.metrics["band"] >= 2  # the pinned questions at least
     assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == EVAL_N
     assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
 

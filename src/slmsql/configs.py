@@ -231,20 +231,6 @@ class SFTStageConfig(Lora, Precision, PolicyPrompt, Common):
 
 
 @dataclass
-class FilterConfig(Model, Sampling, Workers, Engine, Common):
-    """Sample the policy K times per question and bucket questions by pass rate."""
-
-    key_metrics: ClassVar = ("band", "all_fail", "all_pass", "out_of_band", "errors")
-
-    data: str = opt("outputs/toy/rl_source.jsonl", "Source questions in gold format.")
-    db_root: str = opt("outputs/toy/databases", "Database folder.")
-    k: int = opt(8, "Samples per question.")
-    low: float = opt(0.2, "Band lower bound (exclusive).")
-    high: float = opt(0.8, "Band upper bound (exclusive).")
-    output_dir: str = opt("outputs/filter", "Folder for band.jsonl, passrates.jsonl, summary.json.")
-
-
-@dataclass
 class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt, Common):
     """GRPO (TRL GRPOTrainer) with the execution reward, LoRA and telemetry."""
 
@@ -304,6 +290,96 @@ class GRPOStageConfig(Lora, Sampling, Workers, Backend, Precision, PolicyPrompt,
         if self.num_train_epochs <= 0:
             raise DataError(f"must be > 0, got {self.num_train_epochs}", "config", field="num_train_epochs")
 
+    def questions_per_step(self, world_size: int = 1) -> StepDraw:
+        """The distinct questions one optimizer step draws on `world_size` processes (`step_draw`)."""
+        return step_draw(self.per_device_train_batch_size, self.num_generations, self.gradient_accumulation_steps,
+                         self.trainer_args, world_size)
+
+
+@dataclass(frozen=True)
+class StepDraw:
+    """What one GRPO optimizer step draws (`GRPOStageConfig.questions_per_step`): `questions` distinct questions,
+    `why` the arithmetic that gives it, in the config's own names."""
+
+    questions: int
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.questions} ({self.why})"
+
+
+def step_draw(per_device_train_batch_size: int, num_generations: int, gradient_accumulation_steps: int,
+              trainer_args: dict, world_size: int = 1) -> StepDraw:
+    """The distinct questions one GRPO optimizer step draws at this batch shape on `world_size` processes: the
+    fewest an RL set (a filter band) must hold for GRPO to train at all.
+
+    TRL 1.16's GRPOTrainer draws its prompts with RepeatSampler (trl/trainer/utils.py): each pass over the set is
+    shuffled and cut into chunks of generation_batch_size / num_generations distinct prompts, and a last chunk
+    of fewer is dropped. generation_batch_size = per_device_train_batch_size x processes x steps_per_generation,
+    steps_per_generation defaulting to gradient_accumulation_steps (GRPOConfig.__post_init__; either may be set
+    through trainer_args). One chunk feeds steps_per_generation x num_iterations micro-batches, so at least one
+    optimizer step (transformers steps on a short accumulation at a pass's end); a set smaller than one chunk
+    leaves the dataloader empty, and the trainer ends without a step. TRL's own refusals of these fields are
+    made here too, before any model loads."""
+    per_device, g, extra = per_device_train_batch_size, num_generations, trainer_args
+    procs = f"{world_size} process{'es' if world_size != 1 else ''}"
+    for name in ("generation_batch_size", "steps_per_generation"):
+        value = extra.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DataError(f"must be a positive integer, got {value!r}", "trainer_args", field=name)
+    if extra.get("generation_batch_size") is not None and extra.get("steps_per_generation") is not None:
+        raise SlmsqlError("trainer_args generation_batch_size and steps_per_generation: set one of them, not both "
+                          "(TRL refuses both: each gives the other)")
+    if (batch := extra.get("generation_batch_size")) is not None:
+        if batch % (per_device * world_size):
+            raise SlmsqlError(f"trainer_args generation_batch_size ({batch}) must be a multiple of "
+                              f"per_device_train_batch_size ({per_device}) x {procs} (TRL's rule)")
+        shape = f"generation_batch_size {batch} (trainer_args)"
+    else:
+        spg = extra.get("steps_per_generation")
+        batch = per_device * world_size * (spg or gradient_accumulation_steps)
+        shape = (f"per_device_train_batch_size {per_device} x " + (
+            f"steps_per_generation {spg} (trainer_args)" if spg else
+            f"gradient_accumulation_steps {gradient_accumulation_steps}") + f" x {procs}")
+    if batch % g:
+        raise SlmsqlError(f"num_generations ({g}) must divide the generation batch ({shape} = {batch} "
+                          "completions): each batch holds whole groups")
+    return StepDraw(batch // g, f"{shape} / num_generations {g}")
+
+
+# The rl data check's default minimum band: what one step draws at GRPO's default batch shape, one process.
+DEFAULT_DRAW = step_draw(GRPOStageConfig.per_device_train_batch_size, GRPOStageConfig.num_generations,
+                         GRPOStageConfig.gradient_accumulation_steps, {})
+
+
+@dataclass
+class BandCheck:
+    """The rl data check's minimum band size (filter, validate): the band must hold one GRPO optimizer step."""
+
+    min_band: int = opt(DEFAULT_DRAW.questions, "Fewest questions the band may hold (rl data check): what one GRPO "
+                        "optimizer step draws, per_device_train_batch_size x gradient_accumulation_steps x processes "
+                        "/ num_generations (docs/stages/grpo.md); a smaller band trains nothing. The default is what "
+                        "GRPO's default shape draws; the pipeline sets it from its GRPO step's shape.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_band < 1:
+            raise DataError(f"must be >= 1, got {self.min_band}", "config", field="min_band")
+
+
+@dataclass
+class FilterConfig(Model, Sampling, Workers, Engine, BandCheck, Common):
+    """Sample the policy K times per question and bucket questions by pass rate."""
+
+    key_metrics: ClassVar = ("band", "all_fail", "all_pass", "out_of_band", "errors")
+
+    data: str = opt("outputs/toy/rl_source.jsonl", "Source questions in gold format.")
+    db_root: str = opt("outputs/toy/databases", "Database folder.")
+    k: int = opt(8, "Samples per question.")
+    low: float = opt(0.2, "Band lower bound (exclusive).")
+    high: float = opt(0.8, "Band upper bound (exclusive).")
+    output_dir: str = opt("outputs/filter", "Folder for band.jsonl, passrates.jsonl, summary.json.")
+
 
 @dataclass
 class PublishConfig(Common):
@@ -335,7 +411,7 @@ class PublishConfig(Common):
 
 
 @dataclass
-class ValidateConfig(Common):
+class ValidateConfig(BandCheck, Common):
     """Great Expectations data checks on an RL band or an eval set."""
 
     key_metrics: ClassVar = ("n_failed",)

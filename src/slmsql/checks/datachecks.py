@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from slmsql.configs import DEFAULT_DRAW
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import db_id_problem, db_path, native_record, read_jsonl, safe_text
 
@@ -365,9 +366,10 @@ def _run_gx(kind: str, frames: dict, specs: list[dict], params: dict, suite_path
 
 
 def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float = 0.2,
-             high: float = 0.8) -> Report:
+             high: float = 0.8, min_band: int = DEFAULT_DRAW.questions) -> Report:
     """Run the `kind` suite (data_checks/<kind>.json) on `data`. Bad files raise DataError; failed
-    expectations do not raise: they are in the report."""
+    expectations do not raise: they are in the report. `min_band` (rl): the fewest rows the band may hold, what
+    one GRPO optimizer step draws (configs.step_draw)."""
     suite = load_suite(kind)
     if kind == "rl" and not 0 <= low < high <= 1:
         raise SlmsqlError(f"need 0 <= low < high <= 1, got low={low} high={high}")
@@ -385,7 +387,7 @@ def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float
         k_values = [summary_doc["k"]]
     elif "k" in df.columns and df["k"].notna().any():
         k_values = [_py(Counter(df["k"].dropna()).most_common(1)[0][0])]
-    params = {"low": low, "high": high, "k_values": k_values,
+    params = {"low": low, "high": high, "min_band": min_band, "k_values": k_values,
               "required_columns": suite.get("columns", {}).get("required", [])}
     frames = {"rows": df}
     if summary:
@@ -403,7 +405,7 @@ def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float
                      "success": bool(r.success), "unexpected_count": _py(r.result.get("unexpected_count")),
                      "examples": [] if r.success else _examples(r.result, frame, s["kwargs"]),
                      **({"error": _error(r.exception_info)} if _error(r.exception_info) else {})})
-    shown = {"low": low, "high": high, "k": k_values} if kind == "rl" else {}
+    shown = {"low": low, "high": high, "min_band": min_band, "k": k_values} if kind == "rl" else {}
     shown.update({"db_root": str(db_root), "summary": str(summary) if summary else None,
                   "eval_sets": eval_sets})
     report = Report(kind, str(data), all(r["success"] for r in rows), rows, len(df), shown, skipped, seconds)
@@ -412,6 +414,8 @@ def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float
     return report
 
 
-def run_rl_check(band_file, db_root, summary_file, low, high, eval_sets=()) -> Report:
+def run_rl_check(band_file, db_root, summary_file, low, high, eval_sets=(),
+                 min_band: int = DEFAULT_DRAW.questions) -> Report:
     """The filter stage's guard on its own output."""
-    return validate("rl", band_file, db_root, summary=summary_file, eval_sets=eval_sets, low=low, high=high)
+    return validate("rl", band_file, db_root, summary=summary_file, eval_sets=eval_sets, low=low, high=high,
+                    min_band=min_band)

@@ -93,7 +93,7 @@ def main(cfg: FilterConfig) -> dict:
         tracking.describe(descriptions.filter_note(summary))
         mlflow.set_tag(tracking.RESULT, wording.band_result(summary))
         report = datachecks.run_rl_check(work_dir / "band.jsonl", cfg.db_root, work_dir / "summary.json", cfg.low,
-                                         cfg.high)
+                                         cfg.high, min_band=cfg.min_band)
         # the files it checked as this run and the database run name them (runs:/...), not as folders of this machine
         names = {str(work_dir): f"runs:/{run.info.run_id}", str(cfg.db_root): tracking.portable(cfg.db_root)}
         tracking.log_json(tracking.renamed(report.to_json(), names), "data_check/rl.json")

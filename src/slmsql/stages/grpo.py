@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 
 from slmsql.configs import GRPOStageConfig
 from slmsql.errors import SlmsqlError
@@ -49,6 +50,13 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
     if cfg.per_device_train_batch_size % cfg.num_generations:
         raise SlmsqlError(f"num_generations ({cfg.num_generations}) must divide per_device_train_batch_size "
                           f"({cfg.per_device_train_batch_size}): each batch holds whole groups")
+    draw = cfg.questions_per_step(distributed.world_size())
+    if len(examples) < draw.questions:
+        raise SlmsqlError(
+            f"{data_source(cfg.data)} holds {_questions(len(examples))}, fewer than one optimizer step draws: "
+            f"{draw.questions} distinct questions ({draw.why}). TRL's sampler drops a last draw of fewer, so GRPO "
+            "would make no optimizer step. Widen the band (more source questions, another --low/--high or k in the "
+            "filter) or draw fewer questions a step (docs/stages/grpo.md, 'How many questions a step draws')")
     if cfg.trainer_args.get("use_vllm"):  # refused where it cannot run; TRL's version warning, said loudly
         from slmsql.generation.vllm_engine import check_trl
 
@@ -56,6 +64,47 @@ def check_args(cfg: GRPOStageConfig, examples) -> None:
             log.warning(note)
     if "pass_rate" not in examples[0].extra:
         log.warning("%s has no pass_rate column: training on it as plain data, not a filtered band", cfg.data)
+
+
+def data_source(data) -> str:
+    """The RL data as a message names it: a run's artifact by its run URI and the run (a filter run said so), a
+    filter's output folder as such, else the path."""
+    from slmsql.tracking import runs as tracking
+
+    if (uri := tracking.param_value(data)).startswith("runs:/"):
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        run_id = uri.split("/")[1]
+        try:
+            stage = mlflow.MlflowClient().get_run(run_id).data.tags.get("slmsql.stage")
+        except MlflowException:
+            stage = None
+        return f"the RL data {uri} (from {'filter ' if stage == 'filter' else ''}run {run_id})"
+    summary = Path(data).with_name("summary.json")
+    if Path(data).name == "band.jsonl" and summary.is_file():
+        try:
+            n_source = f", {json.loads(summary.read_text())['n_source']} source questions"
+        except (OSError, ValueError, KeyError, TypeError):
+            n_source = ""
+        return f"the RL data {data} (the band of the filter output folder {summary.parent}{n_source})"
+    return f"the RL data {data}"
+
+
+def made_a_step(cfg: GRPOStageConfig, trainer, n_questions: int) -> None:
+    """Refuses a run that ended without an optimizer step: it trained nothing, so it is no result, and its adapter
+    would be the policy it started from, which an evaluation would then compare with itself. check_args refuses
+    the band too small for a step; this holds for any other way to none."""
+    from slmsql.runtime import distributed
+
+    if trainer.state.global_step == 0:
+        raise SlmsqlError(f"GRPO made no optimizer step on {data_source(cfg.data)} ({_questions(n_questions)}; one "
+                          f"step draws {cfg.questions_per_step(distributed.world_size())}): a run that trained "
+                          "nothing is no result")
+
+
+def _questions(n: int) -> str:
+    return f"{n} question{'' if n == 1 else 's'}"
 
 
 def reward_rows(cfg: GRPOStageConfig, examples) -> list[dict]:
@@ -181,6 +230,7 @@ def main(cfg: GRPOStageConfig) -> dict:
         # the main process picks the checkpoint, so every process resumes from the same one
         resume_from = distributed.from_main(lambda: hf_trainer.last_checkpoint(work)) if cfg.resume else None
         trainer.train(resume_from_checkpoint=resume_from)
+        made_a_step(cfg, trainer, len(rows))  # else the run fails
 
         # save: by the main process only
         summary = {**hf_trainer.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,

@@ -50,7 +50,11 @@ def main(cfg: PipelineConfig) -> dict:
             start = {"model": base, "base_adapter": policy["adapter"], "adapter_mode": "continue"}
         else:
             policy = start = {"model": s.uri(sft, "policy")}
-        filt = s.run("filter", "filter", **policy, data=f"{world}/rl_source.jsonl", db_root=dbs)
+        # the filter's data check refuses a band smaller than one optimizer step of the GRPO step below draws (a
+        # GRPO run on it would train nothing); the GRPO step refuses it too, should an override lower min_band
+        draw = s.config("grpo", "grpo", **start).questions_per_step()
+        filt = s.run("filter", "filter", **policy, data=f"{world}/rl_source.jsonl", db_root=dbs,
+                     min_band=draw.questions)
         grpo = s.run("grpo", "grpo", **start, data=s.uri(filt, "band.jsonl"), db_root=dbs)
         adapter = s.uri(grpo, "adapter")
         for split in SPLITS:

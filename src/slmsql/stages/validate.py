@@ -22,7 +22,7 @@ def main(cfg) -> Report:
 
     st = Staged(cfg.output_dir, cfg.overwrite)  # refused before the slow part if the folder is in the way
     report = validate(cfg.kind, cfg.data, cfg.db_root, summary=cfg.summary or None, eval_sets=cfg.eval_sets,
-                      low=cfg.low, high=cfg.high)
+                      low=cfg.low, high=cfg.high, min_band=cfg.min_band)
     with tracking.stage_run("validate", cfg, tags={"slmsql.validate.kind": cfg.kind,
                                                    "slmsql.validate.success": str(report.success).lower()}):
         with st:

@@ -67,14 +67,19 @@ def _unquoted(value: str) -> str:
     return parts[0] if len(parts) == 1 else value
 
 
-def stage_config(stage: str, values: dict) -> dict:
-    """The stage config a step with these parameters computes with, as `slmsql <stage>` resolves them (unset
-    fields: their defaults, which `mlflow run` passes too), less `overwrite`, which shapes no result.
-    Comparing whole configs, not the parameters given, is what makes dropping an override rerun the step."""
+def resolved(stage: str, values: dict):
+    """The stage's config object from a step's parameters, as `slmsql <stage>` resolves them (unset fields: their
+    defaults, which `mlflow run` passes too)."""
     cls = configs.STAGES[stage]
     names = {f.name for f in dataclasses.fields(cls)}
-    cfg = configs.load(cls, None, {k: v for k, v in values.items() if k in names}, require=False)
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+    return configs.load(cls, None, {k: v for k, v in values.items() if k in names}, require=False)
+
+
+def stage_config(stage: str, values: dict) -> dict:
+    """The stage config a step with these parameters computes with (`resolved`), as a dict, less `overwrite`,
+    which shapes no result. Comparing whole configs, not the parameters given, is what makes dropping an override
+    rerun the step."""
+    return {k: v for k, v in dataclasses.asdict(resolved(stage, values)).items() if k != "overwrite"}
 
 
 def _ran_with(stage: str, run, want: dict) -> bool:
@@ -149,6 +154,10 @@ class Steps:
         params = {"output_dir": self.out / name, "experiment": self.experiment, "run_name": name,
                   "seed": self.seed, **self.recipes.get(stage, {}), **given, **extra}
         return {**params, "output_dir": project_path(params["output_dir"])}
+
+    def config(self, stage: str, name: str, **given):
+        """The config the step `name` of `stage` would run with, given these parameters (before it runs)."""
+        return resolved(stage, self.params(stage, name, given))
 
     def find(self, stage: str, params: dict):
         """The latest finished run of `stage` by this code version whose resolved config equals the one these
