@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from ports import Front, start_serving
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watchdog
 
 from slmsql import configs
 from slmsql.tracking import durable, runs as tracking
@@ -162,14 +163,14 @@ def test_set_aside_records_keep_their_files_and_are_resent_once_the_cause_is_fix
     assert len(kept) == 1 and json.loads(kept[0].read_text())["data"] == [["a", 1.0]]  # not deleted with the outbox
 
     sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(folder)]
-    shown = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+    shown = watchdog.run(sync)
     assert shown.returncode == 0, shown.stderr
     assert "3 record(s) the tracking server refused" in shown.stdout and "--resend-refused" in shown.stdout
-    still = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    still = watchdog.run(sync + ["--resend-refused"])
     assert still.returncode == 0 and "sent 0 set-aside tracking record(s) again; 3 refused again" in still.stdout
     assert kept[0].exists()  # refused again: kept again
     client.restore_run(run.info.run_id)
-    fixed = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    fixed = watchdog.run(sync + ["--resend-refused"])
     assert fixed.returncode == 0, fixed.stderr
     assert "sent 3 set-aside tracking record(s) again; 0 refused again" in fixed.stdout
     assert "refused, set aside" not in fixed.stdout
@@ -409,8 +410,8 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
                 box.log_metrics(payload[0], step=payload[1]) if kind == "metrics" else box.set_tag(*payload)
             box.end_run("FINISHED")
         kept_run = left_unsent(kept, REFUSED)
-        done = subprocess.run(sync, capture_output=True, text=True, timeout=120)
-        again = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+        done = watchdog.run(sync)
+        again = watchdog.run(sync)
     assert not live.exists() and "bad!key" in durable.refused(live)[0]
     assert done.returncode == 0, done.stderr
     assert f"sent 3 tracking record(s) to {server.uri}" in done.stdout and not kept.exists()
@@ -541,7 +542,7 @@ def test_credentials_still_refused_at_the_end_fail_the_stage_and_sync_sends_once
                durable.WAIT_ENV: "5"}
         cli_ = [sys.executable, "-m", "slmsql.cli"]
         proxy.revoke_when(loss_at_step(2))
-        stage = subprocess.run(cli_ + args, env=env, capture_output=True, text=True, timeout=600)
+        stage = watchdog.run(cli_ + args, env=env)
         assert stage.returncode == 2, stage.stderr[-3000:]
         assert "refused this process's credentials (HTTP 401" in stage.stderr
         assert f"send them with: slmsql sync-tracking {folder}" in stage.stderr
@@ -558,12 +559,10 @@ def test_credentials_still_refused_at_the_end_fail_the_stage_and_sync_sends_once
         [model] = client.search_logged_models([run.info.experiment_id])
         assert str(model.status) == "PENDING"
 
-        stale = subprocess.run(cli_ + ["sync-tracking", str(folder)], env=env, capture_output=True, text=True,
-                               timeout=120)
+        stale = watchdog.run(cli_ + ["sync-tracking", str(folder)], env=env)
         assert stale.returncode == 2 and "credentials" in stale.stderr and "run this again" in stale.stderr
         assert folder.exists() and not durable.refused_file(folder).exists()
-        fixed = subprocess.run(cli_ + ["sync-tracking", str(folder)], env={**env, "MLFLOW_TRACKING_TOKEN": "rotated"},
-                               capture_output=True, text=True, timeout=120)
+        fixed = watchdog.run(cli_ + ["sync-tracking", str(folder)], env={**env, "MLFLOW_TRACKING_TOKEN": "rotated"})
         assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert not folder.exists() and not durable.refused_file(folder).exists()
     assert_complete_sft_run(client, run.info.run_id, 6)

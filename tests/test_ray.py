@@ -24,7 +24,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from ports import session
 from raycluster import ray_head
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watchdog
 
 from slmsql import configs
 from slmsql.errors import SlmsqlError
@@ -192,7 +192,7 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         params = {**filter_args(policy, data, tmp_path / "out"), **RAY_OPTS, "ray_address": f"127.0.0.1:{port}"}
         cmd = [str(Path(sys.executable).parent / "mlflow"), "run", str(ROOT), "-e", "filter", "--env-manager",
                "local", "--experiment-name", "slmsql", *[a for k, v in params.items() for a in ("-P", f"{k}={v}")]]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = watchdog.run(cmd, env=env)
         assert done.returncode == 0, done.stderr[-4000:]
         assert f"Connecting to existing Ray cluster at address: 127.0.0.1:{port}" in done.stderr
         parted = same_outputs(tmp_path / "out", ref, draws)

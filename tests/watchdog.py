@@ -28,10 +28,13 @@ class Stalled(AssertionError):
 
 
 def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, log: Path | None = None,
-        env: dict | None = None, text: bool = True, check: bool = False, **popen) -> subprocess.CompletedProcess:
+        env: dict | None = None, text: bool = True, check: bool = False, reap: bool = True,
+        **popen) -> subprocess.CompletedProcess:
     """subprocess.run(argv, capture_output=True, ...) with the watchdog: returns a CompletedProcess (returncode,
     stdout, stderr: str when `text`, else bytes), or raises Stalled. `log` also gets all output as it comes.
-    Other keyword arguments (cwd, ...) go to Popen; the child leads a new session (its own process group)."""
+    Other keyword arguments (cwd, ...) go to Popen; the child leads a new session (its own process group: the
+    result's `pid`). `reap=False` leaves what is left of that group once the child has ended, for a test that
+    asserts nothing is (it is still killed on a stall or an interruption)."""
     stall_s = STALL_S if stall_s is None else stall_s
     ceiling_s = CEILING_S if ceiling_s is None else ceiling_s
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
@@ -53,7 +56,7 @@ def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, l
     readers = [threading.Thread(target=pump, args=(s, b), daemon=True) for s, b in ((proc.stdout, out), (proc.stderr, err))]
     for r in readers:
         r.start()
-    start, verdict = time.monotonic(), None
+    start, verdict, ended = time.monotonic(), None, False
     try:
         while not _exited(proc.pid):
             now = time.monotonic()
@@ -64,12 +67,15 @@ def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, l
             if verdict:
                 break
             time.sleep(min(0.2, stall_s / 4))
+        else:
+            ended = True
     finally:  # done, stalled or interrupted: the child is not reaped yet, so its pid still names its group
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if reap or not ended:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        for r in readers:  # the group is gone, so the pipes' write ends are closed and the readers finish (but
-            r.join(timeout=60)  # for a grandchild that left the group with the pipes: not waited for forever)
+        for r in readers:  # the group is gone, so the pipes' write ends are closed and the readers finish (but for
+            r.join(timeout=60)  # a process left running that holds them: not waited for forever)
         if sink:
             sink.close()
     decode = (lambda b: bytes(b).decode(errors="replace")) if text else bytes
@@ -77,6 +83,7 @@ def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, l
         raise Stalled(f"{' '.join(map(str, argv))[:300]}\n{verdict}; killed with its process group.\n"
                       f"--- stdout tail ---\n{decode(out)[-TAIL:]}\n--- stderr tail ---\n{decode(err)[-TAIL:]}")
     done = subprocess.CompletedProcess(argv, proc.returncode, decode(out), decode(err))
+    done.pid = proc.pid  # its process group's id
     if check:
         done.check_returncode()
     return done
