@@ -42,7 +42,7 @@ def ray_head(log: Path, env: dict | None = None) -> Iterator[tuple[subprocess.Po
             return True
 
     try:
-        yield start_serving(start, answers, timeout_s=120, describe=log.read_text, members=session)
+        yield start_serving(start, answers, describe=log.read_text, members=session)
     finally:
         left = stop(heads)
         shutil.rmtree(temp, ignore_errors=True)

@@ -67,7 +67,7 @@ def argv(options: dict) -> list[str]:
     return [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def leftovers(marker: str, grace_s: float = 120.0) -> list[str]:
+def leftovers(marker: str, grace_s: float = watchdog.STALL_S) -> list[str]:
     """Processes started by the launch still running after `grace_s` (exiting children get a moment: a ceiling
     on waiting for them to go, generous as a busy machine is slow to end them; nothing waits when none is left)."""
     deadline = time.monotonic() + grace_s

@@ -87,7 +87,7 @@ def test_what_an_earlier_attempt_left_goes_before_the_run_restarts(tmp_path):
         box.log_metrics({"loss": 1.0}, step=1)
         box.end_run("FAILED")
     run_id, client = run.info.run_id, mlflow.MlflowClient()
-    with durable.Outbox(folder, wait=60) as box, \
+    with durable.Outbox(folder, wait=watchdog.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
         assert durable.load(folder)[0] == []  # a fresh outbox: the earlier records are already in the store
         assert client.get_run(run_id).info.status == "RUNNING"
@@ -131,7 +131,7 @@ def test_a_refused_record_is_set_aside_and_blocks_no_later_stage(tmp_path):
     folder = tmp_path / "out.outbox"
     run_id = left_unsent(folder, REFUSED, "FAILED")
     client = mlflow.MlflowClient()
-    with durable.Outbox(folder, wait=60) as box, \
+    with durable.Outbox(folder, wait=watchdog.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
         box.log_metrics({"loss": 0.25}, step=3)
@@ -231,7 +231,7 @@ class Server:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return True
 
-        self.proc, self.backend = start_serving(launch, healthy, timeout_s=120,
+        self.proc, self.backend = start_serving(launch, healthy,
                                                 describe=lambda: (self.root / "server.log").read_text())
         self.front.backend = self.backend
 
@@ -319,7 +319,7 @@ def assert_complete_sft_run(client, run_id, steps):
 def test_sft_keeps_training_through_a_server_restart(policy, server, tmp_path, monkeypatch):
     seen: list[int] = []
     out = tmp_path / "out"
-    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watchdog.STALL_S))
     monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=2, restart_step=5, seen=seen))
     with tracking_store(server.uri):
         summary = sft.main(sft_cfg(policy, out))
@@ -372,7 +372,7 @@ def test_grpo_keeps_training_through_a_server_restart(policy, server, tmp_path, 
         "output_dir": str(tmp_path / "out"), "num_generations": 4, "per_device_train_batch_size": 8,
         "max_completion_length": 16, "max_steps": 4, "save_steps": 4, "completions_every": 2, "workers": 1,
         "timeout_s": 2.0, "lora_r": 4, "lora_alpha": 8})
-    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watchdog.STALL_S))
     monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=1, restart_step=3, seen=seen))
     with tracking_store(server.uri):
         summary = grpo.main(cfg)
@@ -398,13 +398,12 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
     """On a real server: the stage's sender sets a refused record aside and sends the rest (the stage ends
     without an error); `slmsql sync-tracking` (a new process) does the same with an outbox left unsent, then
     shows what it set aside, with the server's reason, and shows it again once the outbox is gone."""
-    import subprocess
     import sys
 
     live, kept = tmp_path / "live.outbox", tmp_path / "kept.outbox"
     sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(kept)]
     with tracking_store(server.uri):  # the new process's MLFLOW_TRACKING_URI too
-        with mlflow.start_run() as run, durable.Outbox(live, wait=60) as box:
+        with mlflow.start_run() as run, durable.Outbox(live, wait=watchdog.STALL_S) as box:
             box.start(run.info.run_id)
             for kind, payload in REFUSED:
                 box.log_metrics(payload[0], step=payload[1]) if kind == "metrics" else box.set_tag(*payload)
@@ -424,12 +423,13 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
 
 
-def wait_for(condition, timeout: float, what: str):
-    """Poll `condition` until it holds; past `timeout` seconds, fail saying what never happened."""
-    deadline = time.monotonic() + timeout
+def wait_for(condition, what: str):
+    """Poll `condition` until it holds; past SLMSQL_TEST_STALL_S (a ceiling, not a verdict on speed), fail saying
+    what never happened."""
+    deadline = time.monotonic() + watchdog.STALL_S
     while not (got := condition()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:.0f} s for {what}; it never happened")
+            raise AssertionError(f"waited {watchdog.STALL_S:.0f} s for {what}; it never happened")
         time.sleep(0.05)
     return got
 
@@ -448,18 +448,18 @@ def test_system_metrics_resume_after_an_outage(server, tmp_path, monkeypatch):
         records, sent = durable.load(folder)
         return [r for r in records if r["kind"] == "metrics" and key in r["metrics"]], sent
 
-    with tracking_store(server.uri), durable.Outbox(folder, wait=120) as box, \
+    with tracking_store(server.uri), durable.Outbox(folder, wait=watchdog.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), system_metrics=True,
                                outbox=box) as run:
-        wait_for(lambda: client.get_metric_history(run.info.run_id, key), 120, "a first sample to reach the server")
+        wait_for(lambda: client.get_metric_history(run.info.run_id, key), "a first sample to reach the server")
         server.kill()
         before = len(samples()[0])
-        wait_for(lambda: len(samples()[0]) >= before + 3, 120, "3 samples taken while the server is away")
+        wait_for(lambda: len(samples()[0]) >= before + 3, "3 samples taken while the server is away")
         away = {r["n"] for r in samples()[0][before:]}
         server.start()
-        wait_for(lambda: samples()[1] > max(away), 120, "the samples taken while away to be sent")
+        wait_for(lambda: samples()[1] > max(away), "the samples taken while away to be sent")
         back = len(samples()[0])
-        wait_for(lambda: len(client.get_metric_history(run.info.run_id, key)) >= back + 3, 120,
+        wait_for(lambda: len(client.get_metric_history(run.info.run_id, key)) >= back + 3,
                  "3 more samples sent after the server came back")
     points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
     assert [m.step for m in points] == list(range(len(points)))  # none lost, none twice
@@ -490,7 +490,7 @@ def test_credentials_turned_away_mid_run_pause_the_records_until_they_are_back(p
     seen = []
     out = tmp_path / "out"
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "token-1")
-    monkeypatch.setenv(durable.WAIT_ENV, "300")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watchdog.STALL_S))
     original = training.metrics_callback
     with AuthProxy(server.uri, "token-1") as proxy:
         proxy.revoke_when(loss_at_step(2))
@@ -500,7 +500,7 @@ def test_credentials_turned_away_mid_run_pause_the_records_until_they_are_back(p
                 def on_log(self, args, state, control, logs=None, **kwargs):
                     super().on_log(args, state, control, logs=logs, **kwargs)
                     if state.global_step == 5:  # the revocation and a refusal have happened: records wait
-                        wait_for(lambda: proxy.revoked.is_set() and proxy.refused, 120, "a request refused 401")
+                        wait_for(lambda: proxy.revoked.is_set() and proxy.refused, "a request refused 401")
                         records, sent = durable.load(outbox.folder)
                         seen.append(len(records) - sent)
                         proxy.restore()

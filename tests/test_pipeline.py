@@ -61,7 +61,7 @@ def lifecycle(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     log = open(root / "server.log", "wb")
     proc, uri = start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
-                             log_file=log)
+                             log_file=log, timeout_s=watchdog.STALL_S)
     try:
         with HubStub() as hub:
             run = pipeline(uri, root, hub)
@@ -473,13 +473,13 @@ def ui_checks(browser, uri: str, link: str) -> None:
                 f".find(c => c.getAttribute('col-id') === {column!r})?.innerText")
 
     def verdict_cells() -> dict:
-        return {run_id: browser.wait(cells(run_id, result), 60, f"the result cell of run {run_id}")
+        return {run_id: browser.wait(cells(run_id, result), f"the result cell of run {run_id}")
                 for run_id in verdicts}
 
     # From Home, as the docs' first step says, to slmsql's view in the Views menu
     views_menu_from_home(browser, uri, exp.experiment_id, size)
     item = f"[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.trim() === {tracking.VIEW_KEY!r})"
-    browser.wait(f"!!{item}", 30, "slmsql in the Views menu")
+    browser.wait(f"!!{item}", "slmsql in the Views menu")
     browser.js(f"{item}.click()")
     assert verdict_cells() == verdicts
     # the printed link: the same view directly
@@ -496,7 +496,7 @@ def ui_checks(browser, uri: str, link: str) -> None:
         "(() => { const cells = [...document.querySelectorAll('.ag-row .ag-cell')].filter("
         "c => c.getAttribute('col-id').replaceAll('&quot;', '\"').startsWith('metrics.{')).map(c => [c.closest("
         "'.ag-row').getAttribute('row-id'), c.getAttribute('col-id').replaceAll('&quot;', '\"'), c.innerText]);"
-        f" return cells.length >= {len(expected)} && JSON.stringify(cells); }})()", 60, "the EX cells"))
+        f" return cells.length >= {len(expected)} && JSON.stringify(cells); }})()", "the EX cells"))
     shown = {}
     for model_id, column, text in grid:
         key = json.loads(column.removeprefix("metrics."))
@@ -508,7 +508,7 @@ def ui_checks(browser, uri: str, link: str) -> None:
     version = client.get_model_version_by_alias("toy-grpo", "candidate")
     browser.open(f"{uri}/#/models/toy-grpo", size, "candidate")
     row = browser.wait("[...document.querySelectorAll('[role=row]')].map(r => r.innerText).find(t => /@\\s*candidate/"
-                       ".test(t))", 30, "the version row aliased candidate")
+                       ".test(t))", "the version row aliased candidate")
     assert row.startswith(f"Version {version.version}\n") and f"grpo_run\n: {version.run_id}" in row
 
 

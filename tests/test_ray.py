@@ -264,7 +264,7 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     assert [r.data.tags["slmsql.dtype"] for r in runs] == ["float32", "float32"]  # Ray: as its actors report it
 
 
-def left_holding(root: Path, wait_s: float = 60) -> list[int]:
+def left_holding(root: Path, wait_s: float = watchdog.STALL_S) -> list[int]:
     """Processes (none of them this one) that still hold a database under `root` open after up to `wait_s`:
     sandbox workers a killed actor or driver left behind (Ray ends a finished run's actors a little late)."""
     deadline = time.monotonic() + wait_s
@@ -311,7 +311,7 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
         return {name: [p for p in procs if p.pid not in earlier] for name, procs in actors.items()}
 
     def strike():
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + watchdog.STALL_S  # a ceiling: Ray starts actors slowly on a busy machine
         while True:
             actors = {name: procs[0] for name, procs in ours(_ray_children(("_Generate", "_Score"))).items() if procs}
             with contextlib.suppress(psutil.Error):
@@ -330,8 +330,9 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
 
     def run_after_the_kill(work, examples, on_rows, **kwargs):
         def first_waits(items):
-            if not struck.wait(300):
-                raise AssertionError("the scoring actor never started scoring in 300 s: nothing was killed")
+            if not struck.wait(watchdog.STALL_S):
+                raise AssertionError(f"the scoring actor never started scoring in {watchdog.STALL_S:.0f} s: nothing "
+                                     "was killed")
             on_rows(items)
 
         return run(work, examples, first_waits, **kwargs)

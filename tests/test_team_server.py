@@ -126,7 +126,7 @@ def postgres(root: Path):
 
         # on a port of its own: started again on another if someone took the one handed out (ports.py)
         proc, port = ports.start_serving(start, lambda p: psycopg2.connect(dbname="postgres", **conn_at(p)).close()
-                                         is None, timeout_s=60, describe=log.read_text)
+                                         is None, describe=log.read_text)
         conn = conn_at(port)
         admin = psycopg2.connect(dbname="postgres", **conn)
         admin.autocommit = True  # CREATE DATABASE cannot run inside a transaction
@@ -173,10 +173,10 @@ class TeamServer:
             return self.mlflow_proc
 
         self.stack.callback(self._stop_mlflow)
-        # the first start creates MLflow's schema in PostgreSQL (alembic migrations): allow for a slow machine
+        # the first start creates MLflow's schema in PostgreSQL (alembic migrations): slow on a slow machine
         _, self.port = ports.start_serving(
             start, lambda p: urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=2).status == 200,
-            timeout_s=240, describe=log.read_text)
+            describe=log.read_text)
         self.uri = f"http://127.0.0.1:{self.port}"
         self.processes()
 

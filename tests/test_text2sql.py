@@ -24,6 +24,7 @@ import scripted
 import torch
 from hubstub import HubStub
 import ports
+import watchdog
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -153,7 +154,7 @@ def test_bad_rows_are_refused_with_the_row_named(store):
 def post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=watchdog.STALL_S) as r:  # a generation, on a busy machine
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -176,7 +177,7 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
             return r.status == 200
 
     proc_of = {}
-    proc, port = ports.start_serving(lambda p: proc_of.setdefault(p, serve(p)), pings, timeout_s=180,
+    proc, port = ports.start_serving(lambda p: proc_of.setdefault(p, serve(p)), pings,
                                      describe=lambda: (tmp_path / "serve.log").read_text())
     try:
         tree.update((q.pid, q.create_time()) for q in ports.tree(proc.pid))

@@ -170,7 +170,7 @@ def test_a_server_on_a_port_someone_took_is_started_again_on_another(monkeypatch
     monkeypatch.setattr(tracking, "server_command", lambda host, port, store, artifacts:
                         [sys.executable, "-c", FAKE_SERVER, str(port)])
     try:
-        proc, uri = tracking.start_server(port=0, timeout_s=60)
+        proc, uri = tracking.start_server(port=0, timeout_s=watchdog.STALL_S)
     finally:
         monkeypatch.setattr(socket, "socket", real_socket)
         impostor.shutdown()
