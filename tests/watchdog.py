@@ -92,4 +92,7 @@ def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, l
 def _exited(pid: int) -> bool:
     """Whether the child has ended, without reaping it (WNOWAIT): until it is reaped its pid cannot be reused,
     so killing its process group afterwards cannot reach anyone else's."""
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by someone else's os.wait(): ended
+        return True
