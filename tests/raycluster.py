@@ -4,8 +4,8 @@ tests that join one from another process (tests/test_ray.py, tests/test_study.py
 `ray_head(log, env)` starts it on a port its own processes listen on (tests/ports.py: started again on another port
 if someone took the one handed out), yields (head process, port), and on leaving stops it: SIGTERM to each head
 started (`ray start --block` stops its cluster on SIGTERM, draining first), then SIGKILL to whatever of its session
-is left after a minute. Leaving normally, it fails if any process of a head's session is still there a minute
-later: a test that used the cluster leaves none of it running.
+is left after a minute. Leaving normally, it fails if any process of a head's session is still there once
+SIGKILLed (waited for up to SLMSQL_TEST_STALL_S, a ceiling): a test that used the cluster leaves none of it running.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import watchdog
 from ports import session, start_serving
 
 
@@ -60,6 +61,6 @@ def stop(heads: list[subprocess.Popen]) -> list[int]:
     for p in stragglers:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    _, alive = psutil.wait_procs(stragglers, timeout=60)  # gone, or a minute passed: then named
+    _, alive = psutil.wait_procs(stragglers, timeout=watchdog.STALL_S)  # gone, or named
     later = [p for head in heads for p in session(head.pid) if p not in stragglers]  # started while stopping
     return [h.pid for h in heads if h.poll() is None] + [p.pid for p in alive + later]
