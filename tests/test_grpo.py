@@ -129,7 +129,7 @@ def server(tmp_path_factory):
                                           log_file=log, timeout_s=watchdog.STALL_S)
     yield uri
     proc.terminate()
-    proc.wait(timeout=30)
+    proc.wait(timeout=watchdog.STALL_S)
 
 
 @pytest.fixture(scope="module")

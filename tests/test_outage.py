@@ -246,8 +246,8 @@ class Server:
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=60)
-        psutil.wait_procs(procs, timeout=60)
+        self.proc.wait(timeout=watchdog.STALL_S)
+        psutil.wait_procs(procs, timeout=watchdog.STALL_S)
         self.proc = None
 
     def close(self):

@@ -68,7 +68,7 @@ def lifecycle(tmp_path_factory):
             yield uri, root, run, hub
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=watchdog.STALL_S)
         log.close()
 
 

@@ -140,7 +140,7 @@ def postgres(root: Path):
         if proc is not None and proc.poll() is None:
             watchdog.run([*as_owner, bindir / "pg_ctl", "stop", "-D", data, "-m", "fast", "-w", "-t", "60"],
                          check=False, cwd=base)
-            proc.wait(timeout=30)
+            proc.wait(timeout=watchdog.STALL_S)
         if owner:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -183,7 +183,7 @@ class TeamServer:
     def _stop_mlflow(self):
         if self.mlflow_proc.poll() is None:
             self.mlflow_proc.send_signal(signal.SIGTERM)  # what a service manager sends
-            self.mlflow_proc.wait(timeout=60)
+            self.mlflow_proc.wait(timeout=watchdog.STALL_S)
 
     def processes(self) -> set[tuple[int, float]]:
         """Every process of both servers seen so far (a snapshot of the running trees is added)."""

@@ -195,7 +195,7 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        proc.wait(timeout=watchdog.STALL_S)
         log.close()
     procs = []  # the CLI and uvicorn, as they were (a pid reused since is another process)
     for pid, started in tree:
@@ -203,8 +203,8 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
             q = psutil.Process(pid)
             if q.create_time() == started:
                 procs.append(q)
-    # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past a minute
-    _, alive = psutil.wait_procs(procs, timeout=60)
+    # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past the ceiling
+    _, alive = psutil.wait_procs(procs, timeout=watchdog.STALL_S)
     alive = [" ".join(q.cmdline()) for q in alive if q.status() != psutil.STATUS_ZOMBIE]
     assert len(tree) >= 2 and alive == []  # the CLI and uvicorn, both gone: nothing of theirs listens any more
 
