@@ -68,7 +68,8 @@ def test_the_ceiling_stops_a_child_that_prints_forever():
 
 def test_the_child_gets_unbuffered_output_and_the_callers_environment(monkeypatch):
     monkeypatch.setenv("SLMSQL_WATCHDOG_PROBE", "yes")
-    probe = "import os; print(os.environ['PYTHONUNBUFFERED'], os.environ['SLMSQL_WATCHDOG_PROBE'], os.getpgid(0) == os.getpid())"
+    probe = ("import os; print(os.environ['PYTHONUNBUFFERED'], os.environ['SLMSQL_WATCHDOG_PROBE'], "
+             "os.getpgid(0) == os.getpid())")
     assert watchdog.run([sys.executable, "-c", probe]).stdout.split() == ["1", "yes", "True"]
     only = watchdog.run([sys.executable, "-c", "import os; print(sorted(os.environ))"], env={"A": "b"},
                         cwd=os.sep).stdout

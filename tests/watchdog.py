@@ -53,7 +53,8 @@ def run(argv, *, stall_s: float | None = None, ceiling_s: float | None = None, l
                     sink.write(chunk)
                     sink.flush()
 
-    readers = [threading.Thread(target=pump, args=(s, b), daemon=True) for s, b in ((proc.stdout, out), (proc.stderr, err))]
+    streams = ((proc.stdout, out), (proc.stderr, err))
+    readers = [threading.Thread(target=pump, args=pair, daemon=True) for pair in streams]
     for r in readers:
         r.start()
     start, verdict, ended = time.monotonic(), None, False
