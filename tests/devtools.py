@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import watchdog
+import watched
 
 # MLflow 3.17's saved-views menu button above the runs table
 VIEWS_MENU = "document.querySelector('[data-component-id=\"mlflow.experiment_page.saved_views.trigger\"]')"
@@ -87,7 +87,7 @@ class Chromium:
         returns its value, or raises naming `what` and the page's text once SLMSQL_TEST_STALL_S has passed (a
         ceiling for a page that never shows it: a busy machine is slow to render, never a reason to fail). An
         error counts as not yet (a page mid-navigation has no document to read)."""
-        timeout_s = watchdog.STALL_S
+        timeout_s = watched.STALL_S
         deadline, error = time.monotonic() + timeout_s, None
         while True:
             try:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-import watchdog
+import watched
 
 from slmsql.generation import engines
 from slmsql.cli import main
@@ -36,7 +36,7 @@ def killed_after(n: int, args: list[str]) -> subprocess.CompletedProcess:
     """Run `slmsql ARGS` in a new process killed right after its N-th row, under the tests' watchdog (which also
     kills what the kill -9 left of its process group: its sandbox workers); returns the finished process (its
     output as bytes)."""
-    return watchdog.run([sys.executable, __file__, str(n), *args], text=False)
+    return watched.run([sys.executable, __file__, str(n), *args], text=False)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import psutil
-import watchdog
+import watched
 
 CLASH = ("address already in use", "eaddrinuse", "errno 98", "could not bind", "port is already in use",
          "already in use")
@@ -102,7 +102,7 @@ class Clash(Exception):
     """The port handed out was taken by someone else before the server bound it."""
 
 
-def start_serving(start: Callable[[int], object], up: Callable[[int], bool], timeout_s: float = watchdog.STALL_S,
+def start_serving(start: Callable[[int], object], up: Callable[[int], bool], timeout_s: float = watched.STALL_S,
                   attempts: int = 4, describe: Callable[[], str] = lambda: "",
                   members: Callable[[int], list[psutil.Process]] = tree) -> tuple[object, int]:
     """Start a server with `start(port)` (returns its Popen) on a port just handed out, and wait until `up(port)`

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import watchdog
+import watched
 from ports import session, start_serving
 
 
@@ -61,6 +61,6 @@ def stop(heads: list[subprocess.Popen]) -> list[int]:
     for p in stragglers:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    _, alive = psutil.wait_procs(stragglers, timeout=watchdog.STALL_S)  # gone, or named
+    _, alive = psutil.wait_procs(stragglers, timeout=watched.STALL_S)  # gone, or named
     later = [p for head in heads for p in session(head.pid) if p not in stragglers]  # started while stopping
     return [h.pid for h in heads if h.poll() is None] + [p.pid for p in alive + later]

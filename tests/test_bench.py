@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from ci_env import in_ci, require
-import watchdog
+import watched
 
 ROOT = Path(__file__).resolve().parent.parent
 # One BLAS thread: on a shared 2-core machine, two OpenMP threads that spin for a busy core can make a
@@ -24,7 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "T
 
 def run_bench(script: str, *args: str, expect_rc: int = 0) -> dict:
     """A bench script's last JSON line; the watchdog stops it only if it hangs (a busy 2-core machine is slow)."""
-    proc = watchdog.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=ENV)
+    proc = watched.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=ENV)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -101,8 +101,8 @@ def test_grpo_bench_refuses_vllm_arm_up_front_without_vllm_and_cuda():
 
     if HAVE_VLLM and torch.cuda.is_available():
         pytest.skip("CUDA and vLLM both here: the arm would run (minutes), not be refused")
-    proc = watchdog.run([sys.executable, str(ROOT / "bench" / "grpo_gpu.py"), "--arms", "plain,vllm"], cwd=ROOT,
-                        env=ENV)
+    proc = watched.run([sys.executable, str(ROOT / "bench" / "grpo_gpu.py"), "--arms", "plain,vllm"], cwd=ROOT,
+                       env=ENV)
     assert proc.returncode == 2 and "arm vllm needs CUDA and the vllm package" in proc.stderr
     assert "step" not in proc.stdout  # refused before any arm ran
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from driver_faults import killed_after
 from neartie import DrawMargins
 from policy import DB, foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
-import watchdog
+import watched
 
 from slmsql import configs
 from slmsql.sql import passrates
@@ -238,7 +238,7 @@ def test_filter_resumes_after_kill(policy, tmp_path, monkeypatch, request):
     kept = len(rows)
 
     cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", *args]
-    resumed = watchdog.run(cmd)
+    resumed = watched.run(cmd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = read(out / "passrates.jsonl")
     assert [r.get("mark", False) for r in final] == [True] * kept + [False] * (128 - kept)

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 
 import rowseeded
 import scripted
-import watchdog
+import watched
 from slmsql import cli, configs
 from slmsql.runtime import distributed
 from slmsql.sql.sandbox import SandboxPool
@@ -67,7 +67,7 @@ def argv(options: dict) -> list[str]:
     return [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def leftovers(marker: str, grace_s: float = watchdog.STALL_S) -> list[str]:
+def leftovers(marker: str, grace_s: float = watched.STALL_S) -> list[str]:
     """Processes started by the launch still running after `grace_s` (exiting children get a moment: a ceiling
     on waiting for them to go, generous as a busy machine is slow to end them; nothing waits when none is left)."""
     deadline = time.monotonic() + grace_s
@@ -92,7 +92,7 @@ def launch(cmd: list[str], cwd: Path, uri: str, **env) -> dict:
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MLFLOW_TRACKING_URI": uri, MARK: marker, **env}
     for k in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
-    done = watchdog.run(cmd, cwd=cwd, env=env, reap=False)  # what the launch left is looked for, then killed
+    done = watched.run(cmd, cwd=cwd, env=env, reap=False)  # what the launch left is looked for, then killed
     try:
         return {"rc": done.returncode, "log": done.stdout + done.stderr, "left": leftovers(marker)}
     finally:
@@ -282,8 +282,8 @@ def test_ranks_share_one_folder_and_one_config(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     with ThreadPoolExecutor(2) as ranks:  # both at once, each under the watchdog
-        procs = list(ranks.map(lambda r: watchdog.run([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")],
-                                                      env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}), range(2)))
+        procs = list(ranks.map(lambda r: watched.run([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")],
+                                                     env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}), range(2)))
     assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
     seen = [json.loads(p.stdout.strip().splitlines()[-1]) for p in procs]
     for rank, got in enumerate(seen):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from hubstub import HubStub
-import watchdog
+import watched
 
 from slmsql.tracking import runs as tracking
 from slmsql.tracking.runs import start_server
@@ -61,14 +61,14 @@ def lifecycle(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     log = open(root / "server.log", "wb")
     proc, uri = start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
-                             log_file=log, timeout_s=watchdog.STALL_S)
+                             log_file=log, timeout_s=watched.STALL_S)
     try:
         with HubStub() as hub:
             run = pipeline(uri, root, hub)
             yield uri, root, run, hub
     finally:
         proc.terminate()
-        proc.wait(timeout=watchdog.STALL_S)
+        proc.wait(timeout=watched.STALL_S)
         log.close()
 
 
@@ -80,8 +80,8 @@ def pipeline(uri, root, hub):
            "HF_HUB_DISABLE_TELEMETRY": "1"}
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return watchdog.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
-                         "--overrides", SHORT, "--push", "--hub-endpoint", hub.url], cwd=root, env=env)
+    return watched.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
+                        "--overrides", SHORT, "--push", "--hub-endpoint", hub.url], cwd=root, env=env)
 
 
 def _path():
@@ -542,7 +542,7 @@ def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
            "PATH": _path(), "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(tmp_path / "out"), "--overrides",
             SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]
-    first = watchdog.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+    first = watched.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(hook), env["PYTHONPATH"]]))})
     assert first.returncode == -9, first.stderr[-4000:]
     partial = tmp_path / "out" / "grpo.partial"
@@ -552,7 +552,7 @@ def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
                  if r.info.run_name == "grpo"]
     assert killed.info.status == "RUNNING"  # nobody was left to end it
 
-    again = watchdog.run(argv, cwd=tmp_path, env=env)
+    again = watched.run(argv, cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stderr.count("reused run") == 4  # toy, tiny-model, sft, filter
     assert f"step grpo           continues its unfinished run {killed.info.run_id}" in again.stderr

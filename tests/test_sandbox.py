@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 from sandbox_faults import faulty_run
-import watchdog
+import watched
 
 from slmsql.sql.sandbox import STATUSES, ExecResult, Limits, SandboxPool, execute
 
@@ -234,7 +234,7 @@ time.sleep(600)
     assert workers and all(psutil.pid_exists(p) for p in workers)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    deadline = time.monotonic() + watchdog.STALL_S
+    deadline = time.monotonic() + watched.STALL_S
     alive = workers
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from ci_env import in_ci
 import ports
-import watchdog
+import watched
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 USER, DB = "slmsql", "mlflow"
@@ -111,9 +111,9 @@ def postgres(root: Path):
     data, log = base / "data", root / "postgres.log"
     proc = None
     try:
-        init = watchdog.run([*as_owner, bindir / "initdb", "-D", data, "-U", USER, "--pwfile", pwfile,
-                             "-E", "UTF8", "--locale=C", "--auth-local=trust", "--auth-host=scram-sha-256",
-                             "--no-sync"], check=False, cwd=base)
+        init = watched.run([*as_owner, bindir / "initdb", "-D", data, "-U", USER, "--pwfile", pwfile,
+                            "-E", "UTF8", "--locale=C", "--auth-local=trust", "--auth-host=scram-sha-256",
+                            "--no-sync"], check=False, cwd=base)
         assert init.returncode == 0, f"initdb failed:\n{init.stdout[-2000:]}{init.stderr[-2000:]}"
         def start(port):
             with open(log, "ab") as out:
@@ -138,9 +138,9 @@ def postgres(root: Path):
         yield {**conn, "dbname": DB}, proc, version
     finally:
         if proc is not None and proc.poll() is None:
-            watchdog.run([*as_owner, bindir / "pg_ctl", "stop", "-D", data, "-m", "fast", "-w", "-t", "60"],
-                         check=False, cwd=base)
-            proc.wait(timeout=watchdog.STALL_S)
+            watched.run([*as_owner, bindir / "pg_ctl", "stop", "-D", data, "-m", "fast", "-w", "-t", "60"],
+                        check=False, cwd=base)
+            proc.wait(timeout=watched.STALL_S)
         if owner:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -183,7 +183,7 @@ class TeamServer:
     def _stop_mlflow(self):
         if self.mlflow_proc.poll() is None:
             self.mlflow_proc.send_signal(signal.SIGTERM)  # what a service manager sends
-            self.mlflow_proc.wait(timeout=watchdog.STALL_S)
+            self.mlflow_proc.wait(timeout=watched.STALL_S)
 
     def processes(self) -> set[tuple[int, float]]:
         """Every process of both servers seen so far (a snapshot of the running trees is added)."""
@@ -221,10 +221,10 @@ def test_stage_tracked_on_mlflow_server_with_postgresql_backend(team_server, tmp
     work, out = tmp_path / "work", tmp_path / "work" / "eval"
     work.mkdir()
     env = {**os.environ, "MLFLOW_TRACKING_URI": team_server.uri}
-    stage = watchdog.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(EXAMPLES / "gold.jsonl"),
-                          "--db-root", str(EXAMPLES / "databases"), "--predictions",
-                          str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)],
-                         check=False, cwd=work, env=env)
+    stage = watched.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(EXAMPLES / "gold.jsonl"),
+                         "--db-root", str(EXAMPLES / "databases"), "--predictions",
+                         str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)],
+                        check=False, cwd=work, env=env)
     assert stage.returncode == 0, stage.stderr[-4000:]
     assert not (work / "mlflow.db").exists() and not (work / "mlruns").exists(), "tracked locally, not on the server"
     metrics = json.loads((out / "metrics.json").read_text())
