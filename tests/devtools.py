@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import watched
+
 # MLflow 3.17's saved-views menu button above the runs table
 VIEWS_MENU = "document.querySelector('[data-component-id=\"mlflow.experiment_page.saved_views.trigger\"]')"
 # MLflow 3.17 opens its assistant panel (a third of the window) on a local server's first visit; a user closes
@@ -80,10 +82,12 @@ class Chromium:
             raise RuntimeError(f"{expression[:80]}: {reply['exceptionDetails'].get('text')}")
         return reply["result"].get("value")
 
-    def wait(self, expression: str, timeout_s: float = 60, what: str = ""):
+    def wait(self, expression: str, what: str = ""):
         """Poll `expression` until it is truthy (the UI is a JavaScript app that fetches its data after load);
-        returns its value, or raises after `timeout_s` naming `what` and the page's text. An error counts as not
-        yet (a page mid-navigation has no document to read)."""
+        returns its value, or raises naming `what` and the page's text once SLMSQL_TEST_STALL_S has passed (a
+        ceiling for a page that never shows it: a busy machine is slow to render, never a reason to fail). An
+        error counts as not yet (a page mid-navigation has no document to read)."""
+        timeout_s = watched.STALL_S
         deadline, error = time.monotonic() + timeout_s, None
         while True:
             try:
@@ -97,14 +101,14 @@ class Chromium:
                                    f"the page reads: {' '.join(text.split())[:1500]}")
             time.sleep(0.25)
 
-    def open(self, url: str, size: tuple[int, int], ready: str, timeout_s: float = 60) -> None:
+    def open(self, url: str, size: tuple[int, int], ready: str) -> None:
         """Load `url` at `size` (a new document: an app's page in the same tab starts afresh), wait until the
         page's text contains `ready`, and close the assistant panel."""
         self.page("Emulation.setDeviceMetricsOverride", width=size[0], height=size[1], deviceScaleFactor=1,
                   mobile=False)
         self.page("Page.navigate", url="about:blank")  # a fresh load, even where only the URL's #fragment differs
         self.page("Page.navigate", url=url)
-        self.wait(f"document.readyState === 'complete' && document.body.innerText.includes({ready!r})", timeout_s,
+        self.wait(f"document.readyState === 'complete' && document.body.innerText.includes({ready!r})",
                   f"{ready!r} on {url}")
         self.js(CLOSE_ASSISTANT)
 
@@ -144,8 +148,8 @@ def views_menu_from_home(browser: Chromium, uri: str, experiment_id: str, size: 
     link = f"document.querySelector('a[href=\"#/experiments/{experiment_id}\"]')"
     browser.open(f"{uri}/", size, "Model training")
     browser.js("[...document.querySelectorAll('[role=button]')].find(e => e.innerText === 'Model training').click()")
-    browser.wait(f"!!{link}", 30, "the experiment's link on Home")
+    browser.wait(f"!!{link}", "the experiment's link on Home")
     browser.js(f"{link}.click()")
-    browser.wait(f"location.hash.includes('/runs') && !!{VIEWS_MENU}", 30, "Training runs and its Views menu")
+    browser.wait(f"location.hash.includes('/runs') && !!{VIEWS_MENU}", "Training runs and its Views menu")
     browser.js(f"{VIEWS_MENU}.dispatchEvent(new PointerEvent('pointerdown', {{bubbles: true, button: 0}}))")
-    browser.wait("!!document.querySelector('[role=menu]')", 30, "the Views menu")
+    browser.wait("!!document.querySelector('[role=menu]')", "the Views menu")

@@ -3,11 +3,12 @@ it (no cleanup at all, as `kill -9` from outside) right after the stage has writ
 killed mid-run at a point the test chooses, however fast or slow the machine, with no race between the test
 and the run. It lives here, not in the library (as sandbox_faults.py's faulty runner does)."""
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
+
+import watched
 
 from slmsql.generation import engines
 from slmsql.cli import main
@@ -31,17 +32,11 @@ def die_after(n: int) -> None:
     engines.run = run_then_die  # the stages call engines.run at run time
 
 
-def killed_after(n: int, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `slmsql ARGS` in a new process killed right after its N-th row, then kill what the kill -9 left of
-    its process group (its sandbox workers); returns the finished process (stderr as bytes)."""
-    proc = subprocess.Popen([sys.executable, __file__, str(n), *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, None, err)
+def killed_after(n: int, args: list[str]) -> subprocess.CompletedProcess:
+    """Run `slmsql ARGS` in a new process killed right after its N-th row, under the tests' watchdog (which also
+    kills what the kill -9 left of its process group: its sandbox workers); returns the finished process (its
+    output as bytes)."""
+    return watched.run([sys.executable, __file__, str(n), *args], text=False)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import psutil
+import watched
 
 CLASH = ("address already in use", "eaddrinuse", "errno 98", "could not bind", "port is already in use",
          "already in use")
@@ -101,14 +102,16 @@ class Clash(Exception):
     """The port handed out was taken by someone else before the server bound it."""
 
 
-def start_serving(start: Callable[[int], object], up: Callable[[int], bool], timeout_s: float = 180,
+def start_serving(start: Callable[[int], object], up: Callable[[int], bool], timeout_s: float = watched.STALL_S,
                   attempts: int = 4, describe: Callable[[], str] = lambda: "",
                   members: Callable[[int], list[psutil.Process]] = tree) -> tuple[object, int]:
     """Start a server with `start(port)` (returns its Popen) on a port just handed out, and wait until `up(port)`
     and the port's listener is the server's own. On a clash (the server exits saying its address is in use, or
     someone else listens on the port) it is stopped and started again on another port, up to `attempts` times.
     Returns (process, port). `describe()` is added to a failure's message (the server's log); `members(pid)`:
-    the server's processes, where they are not all its children (default: the process and its children)."""
+    the server's processes, where they are not all its children (default: the process and its children).
+    `timeout_s` is a ceiling for a server that neither comes up nor exits (SLMSQL_TEST_STALL_S: a busy machine
+    is slow to start one, never a reason to fail)."""
     last = ""
     for _ in range(attempts):
         port = handed_out()

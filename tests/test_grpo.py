@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import mlflow
 import pytest
 from policy import foreign_adapter, policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.policy import models
@@ -125,10 +126,10 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     with open(root / "server.log", "wb") as log:
         proc, uri = tracking.start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
-                                          log_file=log)
+                                          log_file=log, timeout_s=watched.STALL_S)
     yield uri
     proc.terminate()
-    proc.wait(timeout=30)
+    proc.wait(timeout=watched.STALL_S)
 
 
 @pytest.fixture(scope="module")

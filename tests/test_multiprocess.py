@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlflow
@@ -37,6 +39,7 @@ from safetensors.torch import load_file
 
 import rowseeded
 import scripted
+import watched
 from slmsql import cli, configs
 from slmsql.runtime import distributed
 from slmsql.sql.sandbox import SandboxPool
@@ -64,9 +67,10 @@ def argv(options: dict) -> list[str]:
     return [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def leftovers(marker: str, grace_s: float = 15.0) -> list[str]:
-    """Processes started by the launch still running after `grace_s` (exiting children get a moment)."""
-    deadline = time.time() + grace_s
+def leftovers(marker: str, grace_s: float = watched.STALL_S) -> list[str]:
+    """Processes started by the launch still running after `grace_s` (exiting children get a moment: a ceiling
+    on waiting for them to go, generous as a busy machine is slow to end them; nothing waits when none is left)."""
+    deadline = time.monotonic() + grace_s
     while True:
         found = []
         for p in psutil.process_iter(["pid", "cmdline"]):
@@ -75,26 +79,25 @@ def leftovers(marker: str, grace_s: float = 15.0) -> list[str]:
                     found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
-        if not found or time.time() > deadline:
+        if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
 
 
 def launch(cmd: list[str], cwd: Path, uri: str, **env) -> dict:
-    """Run a launcher to completion in its own session; on a timeout kill that session, never more."""
+    """Run a launcher to completion in its own session (killed if it stalls); then kill what is left of that
+    session, never more."""
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MLFLOW_TRACKING_URI": uri, MARK: marker, **env}
     for k in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    done = watched.run(cmd, cwd=cwd, env=env, reap=False)  # what the launch left is looked for, then killed
     try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-    return {"rc": proc.returncode, "log": out, "left": leftovers(marker)}
+        return {"rc": done.returncode, "log": done.stdout + done.stderr, "left": leftovers(marker)}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(done.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -278,13 +281,11 @@ def test_ranks_share_one_folder_and_one_config(tmp_path):
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: its own
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    procs = [subprocess.Popen([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")], text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-             for r in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
-    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    with ThreadPoolExecutor(2) as ranks:  # both at once, each under the watchdog
+        procs = list(ranks.map(lambda r: watched.run([sys.executable, "-c", PROTOCOL, str(tmp_path / "out")],
+                                                     env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}), range(2)))
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
+    seen = [json.loads(p.stdout.strip().splitlines()[-1]) for p in procs]
     for rank, got in enumerate(seen):
         assert got["same_config"] == ["ok", None]
         assert got["other_config"][0] == "error" and "rank 1 resolved another config than rank 0 (fields " \
@@ -352,7 +353,7 @@ def test_a_killed_process_leaves_no_sandbox_workers(shop):
     finally:
         proc.kill()
         proc.wait()
-    assert leftovers(marker, grace_s=10) == []
+    assert leftovers(marker) == []
 
 
 def _marked(p, marker) -> bool:

@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from ports import Front, start_serving
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.tracking import durable, runs as tracking
@@ -86,7 +87,7 @@ def test_what_an_earlier_attempt_left_goes_before_the_run_restarts(tmp_path):
         box.log_metrics({"loss": 1.0}, step=1)
         box.end_run("FAILED")
     run_id, client = run.info.run_id, mlflow.MlflowClient()
-    with durable.Outbox(folder, wait=60) as box, \
+    with durable.Outbox(folder, wait=watched.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
         assert durable.load(folder)[0] == []  # a fresh outbox: the earlier records are already in the store
         assert client.get_run(run_id).info.status == "RUNNING"
@@ -130,7 +131,7 @@ def test_a_refused_record_is_set_aside_and_blocks_no_later_stage(tmp_path):
     folder = tmp_path / "out.outbox"
     run_id = left_unsent(folder, REFUSED, "FAILED")
     client = mlflow.MlflowClient()
-    with durable.Outbox(folder, wait=60) as box, \
+    with durable.Outbox(folder, wait=watched.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), run_id=run_id, outbox=box):
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
         box.log_metrics({"loss": 0.25}, step=3)
@@ -162,14 +163,14 @@ def test_set_aside_records_keep_their_files_and_are_resent_once_the_cause_is_fix
     assert len(kept) == 1 and json.loads(kept[0].read_text())["data"] == [["a", 1.0]]  # not deleted with the outbox
 
     sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(folder)]
-    shown = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+    shown = watched.run(sync)
     assert shown.returncode == 0, shown.stderr
     assert "3 record(s) the tracking server refused" in shown.stdout and "--resend-refused" in shown.stdout
-    still = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    still = watched.run(sync + ["--resend-refused"])
     assert still.returncode == 0 and "sent 0 set-aside tracking record(s) again; 3 refused again" in still.stdout
     assert kept[0].exists()  # refused again: kept again
     client.restore_run(run.info.run_id)
-    fixed = subprocess.run(sync + ["--resend-refused"], capture_output=True, text=True, timeout=120)
+    fixed = watched.run(sync + ["--resend-refused"])
     assert fixed.returncode == 0, fixed.stderr
     assert "sent 3 set-aside tracking record(s) again; 0 refused again" in fixed.stdout
     assert "refused, set aside" not in fixed.stdout
@@ -230,7 +231,7 @@ class Server:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return True
 
-        self.proc, self.backend = start_serving(launch, healthy, timeout_s=120,
+        self.proc, self.backend = start_serving(launch, healthy,
                                                 describe=lambda: (self.root / "server.log").read_text())
         self.front.backend = self.backend
 
@@ -245,8 +246,8 @@ class Server:
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=60)
-        psutil.wait_procs(procs, timeout=60)
+        self.proc.wait(timeout=watched.STALL_S)
+        psutil.wait_procs(procs, timeout=watched.STALL_S)
         self.proc = None
 
     def close(self):
@@ -318,7 +319,7 @@ def assert_complete_sft_run(client, run_id, steps):
 def test_sft_keeps_training_through_a_server_restart(policy, server, tmp_path, monkeypatch):
     seen: list[int] = []
     out = tmp_path / "out"
-    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watched.STALL_S))
     monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=2, restart_step=5, seen=seen))
     with tracking_store(server.uri):
         summary = sft.main(sft_cfg(policy, out))
@@ -371,7 +372,7 @@ def test_grpo_keeps_training_through_a_server_restart(policy, server, tmp_path, 
         "output_dir": str(tmp_path / "out"), "num_generations": 4, "per_device_train_batch_size": 8,
         "max_completion_length": 16, "max_steps": 4, "save_steps": 4, "completions_every": 2, "workers": 1,
         "timeout_s": 2.0, "lora_r": 4, "lora_alpha": 8})
-    monkeypatch.setenv(durable.WAIT_ENV, "120")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watched.STALL_S))
     monkeypatch.setattr(training, "metrics_callback", outage_at(server, kill_step=1, restart_step=3, seen=seen))
     with tracking_store(server.uri):
         summary = grpo.main(cfg)
@@ -397,20 +398,19 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
     """On a real server: the stage's sender sets a refused record aside and sends the rest (the stage ends
     without an error); `slmsql sync-tracking` (a new process) does the same with an outbox left unsent, then
     shows what it set aside, with the server's reason, and shows it again once the outbox is gone."""
-    import subprocess
     import sys
 
     live, kept = tmp_path / "live.outbox", tmp_path / "kept.outbox"
     sync = [sys.executable, "-m", "slmsql.cli", "sync-tracking", str(kept)]
     with tracking_store(server.uri):  # the new process's MLFLOW_TRACKING_URI too
-        with mlflow.start_run() as run, durable.Outbox(live, wait=60) as box:
+        with mlflow.start_run() as run, durable.Outbox(live, wait=watched.STALL_S) as box:
             box.start(run.info.run_id)
             for kind, payload in REFUSED:
                 box.log_metrics(payload[0], step=payload[1]) if kind == "metrics" else box.set_tag(*payload)
             box.end_run("FINISHED")
         kept_run = left_unsent(kept, REFUSED)
-        done = subprocess.run(sync, capture_output=True, text=True, timeout=120)
-        again = subprocess.run(sync, capture_output=True, text=True, timeout=120)
+        done = watched.run(sync)
+        again = watched.run(sync)
     assert not live.exists() and "bad!key" in durable.refused(live)[0]
     assert done.returncode == 0, done.stderr
     assert f"sent 3 tracking record(s) to {server.uri}" in done.stdout and not kept.exists()
@@ -423,12 +423,13 @@ def test_a_record_the_server_refuses_is_set_aside_and_sync_tracking_shows_it(ser
         assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
 
 
-def wait_for(condition, timeout: float, what: str):
-    """Poll `condition` until it holds; past `timeout` seconds, fail saying what never happened."""
-    deadline = time.monotonic() + timeout
+def wait_for(condition, what: str):
+    """Poll `condition` until it holds; past SLMSQL_TEST_STALL_S (a ceiling, not a verdict on speed), fail saying
+    what never happened."""
+    deadline = time.monotonic() + watched.STALL_S
     while not (got := condition()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:.0f} s for {what}; it never happened")
+            raise AssertionError(f"waited {watched.STALL_S:.0f} s for {what}; it never happened")
         time.sleep(0.05)
     return got
 
@@ -447,18 +448,18 @@ def test_system_metrics_resume_after_an_outage(server, tmp_path, monkeypatch):
         records, sent = durable.load(folder)
         return [r for r in records if r["kind"] == "metrics" and key in r["metrics"]], sent
 
-    with tracking_store(server.uri), durable.Outbox(folder, wait=120) as box, \
+    with tracking_store(server.uri), durable.Outbox(folder, wait=watched.STALL_S) as box, \
             tracking.stage_run("sft", configs.load(configs.SFTStageConfig, None, {}), system_metrics=True,
                                outbox=box) as run:
-        wait_for(lambda: client.get_metric_history(run.info.run_id, key), 120, "a first sample to reach the server")
+        wait_for(lambda: client.get_metric_history(run.info.run_id, key), "a first sample to reach the server")
         server.kill()
         before = len(samples()[0])
-        wait_for(lambda: len(samples()[0]) >= before + 3, 120, "3 samples taken while the server is away")
+        wait_for(lambda: len(samples()[0]) >= before + 3, "3 samples taken while the server is away")
         away = {r["n"] for r in samples()[0][before:]}
         server.start()
-        wait_for(lambda: samples()[1] > max(away), 120, "the samples taken while away to be sent")
+        wait_for(lambda: samples()[1] > max(away), "the samples taken while away to be sent")
         back = len(samples()[0])
-        wait_for(lambda: len(client.get_metric_history(run.info.run_id, key)) >= back + 3, 120,
+        wait_for(lambda: len(client.get_metric_history(run.info.run_id, key)) >= back + 3,
                  "3 more samples sent after the server came back")
     points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
     assert [m.step for m in points] == list(range(len(points)))  # none lost, none twice
@@ -489,7 +490,7 @@ def test_credentials_turned_away_mid_run_pause_the_records_until_they_are_back(p
     seen = []
     out = tmp_path / "out"
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "token-1")
-    monkeypatch.setenv(durable.WAIT_ENV, "300")
+    monkeypatch.setenv(durable.WAIT_ENV, str(watched.STALL_S))
     original = training.metrics_callback
     with AuthProxy(server.uri, "token-1") as proxy:
         proxy.revoke_when(loss_at_step(2))
@@ -499,7 +500,7 @@ def test_credentials_turned_away_mid_run_pause_the_records_until_they_are_back(p
                 def on_log(self, args, state, control, logs=None, **kwargs):
                     super().on_log(args, state, control, logs=logs, **kwargs)
                     if state.global_step == 5:  # the revocation and a refusal have happened: records wait
-                        wait_for(lambda: proxy.revoked.is_set() and proxy.refused, 120, "a request refused 401")
+                        wait_for(lambda: proxy.revoked.is_set() and proxy.refused, "a request refused 401")
                         records, sent = durable.load(outbox.folder)
                         seen.append(len(records) - sent)
                         proxy.restore()
@@ -541,7 +542,7 @@ def test_credentials_still_refused_at_the_end_fail_the_stage_and_sync_sends_once
                durable.WAIT_ENV: "5"}
         cli_ = [sys.executable, "-m", "slmsql.cli"]
         proxy.revoke_when(loss_at_step(2))
-        stage = subprocess.run(cli_ + args, env=env, capture_output=True, text=True, timeout=600)
+        stage = watched.run(cli_ + args, env=env)
         assert stage.returncode == 2, stage.stderr[-3000:]
         assert "refused this process's credentials (HTTP 401" in stage.stderr
         assert f"send them with: slmsql sync-tracking {folder}" in stage.stderr
@@ -558,12 +559,10 @@ def test_credentials_still_refused_at_the_end_fail_the_stage_and_sync_sends_once
         [model] = client.search_logged_models([run.info.experiment_id])
         assert str(model.status) == "PENDING"
 
-        stale = subprocess.run(cli_ + ["sync-tracking", str(folder)], env=env, capture_output=True, text=True,
-                               timeout=120)
+        stale = watched.run(cli_ + ["sync-tracking", str(folder)], env=env)
         assert stale.returncode == 2 and "credentials" in stale.stderr and "run this again" in stale.stderr
         assert folder.exists() and not durable.refused_file(folder).exists()
-        fixed = subprocess.run(cli_ + ["sync-tracking", str(folder)], env={**env, "MLFLOW_TRACKING_TOKEN": "rotated"},
-                               capture_output=True, text=True, timeout=120)
+        fixed = watched.run(cli_ + ["sync-tracking", str(folder)], env={**env, "MLFLOW_TRACKING_TOKEN": "rotated"})
         assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert not folder.exists() and not durable.refused_file(folder).exists()
     assert_complete_sft_run(client, run.info.run_id, 6)

@@ -6,12 +6,12 @@ Shortened (fewer SFT/GRPO steps) so CI stays quick; everything else is the embed
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hubstub import HubStub
+import watched
 
 from slmsql.tracking import runs as tracking
 from slmsql.tracking.runs import start_server
@@ -61,18 +61,18 @@ def lifecycle(tmp_path_factory):
     root = tmp_path_factory.mktemp("lifecycle")
     log = open(root / "server.log", "wb")
     proc, uri = start_server(port=0, store=root / "store.db", artifacts=root / "artifacts",
-                             log_file=log)
+                             log_file=log, timeout_s=watched.STALL_S)
     try:
         with HubStub() as hub:
-            run = pipeline(uri, root, hub, timeout=1500)
+            run = pipeline(uri, root, hub)
             yield uri, root, run, hub
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=watched.STALL_S)
         log.close()
 
 
-def pipeline(uri, root, hub, timeout):
+def pipeline(uri, root, hub):
     """`slmsql pipeline --push` in a fresh process, which reaches the stand-in only through --hub-endpoint and
     gets the token only from HF_TOKEN (as hubstub.configure_client does in-process, by environment)."""
     env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
@@ -80,9 +80,8 @@ def pipeline(uri, root, hub, timeout):
            "HF_HUB_DISABLE_TELEMETRY": "1"}
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return subprocess.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
-                           "--overrides", SHORT, "--push", "--hub-endpoint", hub.url], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return watched.run([sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"),
+                        "--overrides", SHORT, "--push", "--hub-endpoint", hub.url], cwd=root, env=env)
 
 
 def _path():
@@ -474,13 +473,13 @@ def ui_checks(browser, uri: str, link: str) -> None:
                 f".find(c => c.getAttribute('col-id') === {column!r})?.innerText")
 
     def verdict_cells() -> dict:
-        return {run_id: browser.wait(cells(run_id, result), 60, f"the result cell of run {run_id}")
+        return {run_id: browser.wait(cells(run_id, result), f"the result cell of run {run_id}")
                 for run_id in verdicts}
 
     # From Home, as the docs' first step says, to slmsql's view in the Views menu
     views_menu_from_home(browser, uri, exp.experiment_id, size)
     item = f"[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.trim() === {tracking.VIEW_KEY!r})"
-    browser.wait(f"!!{item}", 30, "slmsql in the Views menu")
+    browser.wait(f"!!{item}", "slmsql in the Views menu")
     browser.js(f"{item}.click()")
     assert verdict_cells() == verdicts
     # the printed link: the same view directly
@@ -497,7 +496,7 @@ def ui_checks(browser, uri: str, link: str) -> None:
         "(() => { const cells = [...document.querySelectorAll('.ag-row .ag-cell')].filter("
         "c => c.getAttribute('col-id').replaceAll('&quot;', '\"').startsWith('metrics.{')).map(c => [c.closest("
         "'.ag-row').getAttribute('row-id'), c.getAttribute('col-id').replaceAll('&quot;', '\"'), c.innerText]);"
-        f" return cells.length >= {len(expected)} && JSON.stringify(cells); }})()", 60, "the EX cells"))
+        f" return cells.length >= {len(expected)} && JSON.stringify(cells); }})()", "the EX cells"))
     shown = {}
     for model_id, column, text in grid:
         key = json.loads(column.removeprefix("metrics."))
@@ -509,7 +508,7 @@ def ui_checks(browser, uri: str, link: str) -> None:
     version = client.get_model_version_by_alias("toy-grpo", "candidate")
     browser.open(f"{uri}/#/models/toy-grpo", size, "candidate")
     row = browser.wait("[...document.querySelectorAll('[role=row]')].map(r => r.innerText).find(t => /@\\s*candidate/"
-                       ".test(t))", 30, "the version row aliased candidate")
+                       ".test(t))", "the version row aliased candidate")
     assert row.startswith(f"Version {version.version}\n") and f"grpo_run\n: {version.run_id}" in row
 
 
@@ -543,8 +542,8 @@ def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
            "PATH": _path(), "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(tmp_path / "out"), "--overrides",
             SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]
-    first = subprocess.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(hook), env["PYTHONPATH"]]))}, capture_output=True, text=True, timeout=900, start_new_session=True)
+    first = watched.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(hook), env["PYTHONPATH"]]))})
     assert first.returncode == -9, first.stderr[-4000:]
     partial = tmp_path / "out" / "grpo.partial"
     assert (partial / "checkpoint-2").is_dir() and not (partial / "checkpoint-4").exists()
@@ -553,7 +552,7 @@ def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
                  if r.info.run_name == "grpo"]
     assert killed.info.status == "RUNNING"  # nobody was left to end it
 
-    again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    again = watched.run(argv, cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stderr.count("reused run") == 4  # toy, tiny-model, sft, filter
     assert f"step grpo           continues its unfinished run {killed.info.run_id}" in again.stderr
@@ -571,7 +570,7 @@ def test_rerun_reuses_finished_steps(lifecycle):
     """Last in this module: it adds a second pipeline run to the fixture's store."""
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
-    again = pipeline(uri, root, hub, timeout=600)
+    again = pipeline(uri, root, hub)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stderr.count("reused run") == 10
     assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing

@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import subprocess
 import sys
 import traceback
 from types import SimpleNamespace
@@ -13,6 +12,7 @@ import pytest
 from statsmodels.stats.power import TTestPower
 from test_seedstats import simulate, true_effect
 from test_stats import exact_mcnemar_power
+import watched
 
 from slmsql.errors import SlmsqlError
 from slmsql.stats.power import Components, mdd, power, questions_needed
@@ -121,8 +121,7 @@ def slmsql(*args, cwd, new_process=True):
     each new process costs 3-5 s of imports on 2 cores. Returns returncode, stdout and stderr either way (an
     in-process exception's traceback goes to stderr, as the interpreter would print it)."""
     if new_process:
-        return subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", *args], cwd=cwd, capture_output=True,
-                              text=True, timeout=300)
+        return watched.run([sys.executable, "-m", "slmsql.cli", "plan", *args], cwd=cwd)
     from click.testing import CliRunner
 
     from slmsql.cli import main
@@ -246,8 +245,8 @@ def test_cli_refuses_a_target_power_at_or_below_the_level(tmp_path, args):
 
 
 def test_cli_discordance_without_effect_says_it_plans_for_zero(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--n", "100",
-                           "--output-dir", "out"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--n", "100",
+                        "--output-dir", "out"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--discordance without --effect plans for an effect of 0" in proc.stdout
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())

@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+import watched
 
 from hubstub import HubStub
 from slmsql.stats import inference as stats
@@ -517,8 +517,7 @@ def test_hf_endpoint_env_routes_the_push(store, hub, tmp_path):
            if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE")}
     env.update(HF_ENDPOINT=hub.url, HF_TOKEN=hub.token, HF_HOME=str(tmp_path / "hf-home"),
                HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")  # as hubstub.configure_client, by env
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", *cli_args(config(store, tmp_path))], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", *cli_args(config(store, tmp_path))], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(hub.repos[REPO]["commits"]) == 1 and hub.unhandled == []
     assert hub.files(REPO) == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
@@ -683,8 +682,8 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
     # with --base-repo (in a process of its own, by the CLI): still no model, as it would have to copy the base, a
     # folder of this machine, into MLflow (the push holds it); nothing sent
     dry = config(store, tmp_path, dry_run=True, base_repo=BASE_REPO, **local)
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", *cli_args(dry), "--base-repo", BASE_REPO,
-                           "--dry-run", "--overwrite"], capture_output=True, text=True, timeout=300)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", *cli_args(dry), "--base-repo", BASE_REPO,
+                        "--dry-run", "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no text2sql model and no registry version in a dry run" in proc.stderr
     assert mlflow.MlflowClient().search_registered_models() == []
@@ -1094,9 +1093,9 @@ def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, t
 
 def test_a_run_that_is_no_cell_of_the_study_is_refused_from_the_command_line(store, tmp_path):
     folder = hand_built_study(tmp_path, store)
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "publish", "--grpo-run", store["local_grpo"],
-                           "--study", str(folder), "--repo-id", REPO, "--output-dir", str(tmp_path / "out"),
-                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", "publish", "--grpo-run", store["local_grpo"],
+                        "--study", str(folder), "--repo-id", REPO, "--output-dir", str(tmp_path / "out"),
+                        "--dry-run"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"error: {folder / 'records'}: GRPO run {store['local_grpo']} is not a cell of study handmade: none of "
             "its 8 cell records names it") in proc.stderr
@@ -1194,8 +1193,7 @@ def test_a_dry_run_takes_nothing_a_push_made(store, hub, tmp_path, monkeypatch):
 
 
 def test_cli_help_says_what_a_dry_run_does():
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "publish", "--help"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "COLUMNS": "300"})
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", "publish", "--help"], env={**os.environ, "COLUMNS": "300"})
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "push nothing;" not in text.lower()
@@ -1226,13 +1224,11 @@ def test_an_installed_wheel_validates_and_publishes_outside_a_checkout(store, tm
         assert req.specifier.contains(version(req.name), prereleases=True), \
             f"{req.name} {version(req.name)} installed; the build needs {req} (pip install -e '.[test]')"
     pip = [sys.executable, "-m", "pip", "-q"]
-    done = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")],
-                          capture_output=True, text=True, timeout=600)
+    done = watched.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path / "dist")])
     assert done.returncode == 0, done.stderr[-3000:]
     wheel, = (tmp_path / "dist").glob("slmsql-*.whl")
     site = tmp_path / "site"
-    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], capture_output=True,
-                          text=True, timeout=600)
+    done = watched.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)])
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("model_card/README.md.j2", "model_card/base.md.j2", "data_checks/rl.json", "data_checks/eval.json"):
         assert (site / "slmsql" / name).is_file() and not (site / "slmsql" / name).is_symlink(), name
@@ -1242,11 +1238,9 @@ def test_an_installed_wheel_validates_and_publishes_outside_a_checkout(store, tm
     env = {**{k: v for k, v in os.environ.items() if k != "SLMSQL_DATA_CHECKS"}, "PYTHONPATH": str(site)}
 
     def slmsql(*args):
-        return subprocess.run([sys.executable, "-m", "slmsql.cli", *args], cwd=elsewhere, env=env,
-                              capture_output=True, text=True, timeout=300)
+        return watched.run([sys.executable, "-m", "slmsql.cli", *args], cwd=elsewhere, env=env)
 
-    where = subprocess.run([sys.executable, "-c", "import slmsql; print(slmsql.__file__)"], cwd=elsewhere, env=env,
-                           capture_output=True, text=True, timeout=60)
+    where = watched.run([sys.executable, "-c", "import slmsql; print(slmsql.__file__)"], cwd=elsewhere, env=env)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel, not the checkout
     assert slmsql("toy", "--output-dir", "toy").returncode == 0
     done = slmsql("validate", "--kind", "eval", "--data", "toy/dev.jsonl", "--db-root", "toy/databases",

@@ -24,7 +24,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from ports import session
 from raycluster import ray_head
 from driver_faults import killed_after
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.errors import SlmsqlError
@@ -192,7 +192,7 @@ def test_filter_on_a_real_cluster_through_mlflow_run(policy, reference, tmp_path
         params = {**filter_args(policy, data, tmp_path / "out"), **RAY_OPTS, "ray_address": f"127.0.0.1:{port}"}
         cmd = [str(Path(sys.executable).parent / "mlflow"), "run", str(ROOT), "-e", "filter", "--env-manager",
                "local", "--experiment-name", "slmsql", *[a for k, v in params.items() for a in ("-P", f"{k}={v}")]]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = watched.run(cmd, env=env)
         assert done.returncode == 0, done.stderr[-4000:]
         assert f"Connecting to existing Ray cluster at address: 127.0.0.1:{port}" in done.stderr
         parted = same_outputs(tmp_path / "out", ref, draws)
@@ -264,7 +264,7 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     assert [r.data.tags["slmsql.dtype"] for r in runs] == ["float32", "float32"]  # Ray: as its actors report it
 
 
-def left_holding(root: Path, wait_s: float = 60) -> list[int]:
+def left_holding(root: Path, wait_s: float = watched.STALL_S) -> list[int]:
     """Processes (none of them this one) that still hold a database under `root` open after up to `wait_s`:
     sandbox workers a killed actor or driver left behind (Ray ends a finished run's actors a little late)."""
     deadline = time.monotonic() + wait_s
@@ -311,7 +311,7 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
         return {name: [p for p in procs if p.pid not in earlier] for name, procs in actors.items()}
 
     def strike():
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + watched.STALL_S  # a ceiling: Ray starts actors slowly on a busy machine
         while True:
             actors = {name: procs[0] for name, procs in ours(_ray_children(("_Generate", "_Score"))).items() if procs}
             with contextlib.suppress(psutil.Error):
@@ -330,8 +330,9 @@ def test_killed_actors_are_restarted_without_losing_or_repeating_a_question(poli
 
     def run_after_the_kill(work, examples, on_rows, **kwargs):
         def first_waits(items):
-            if not struck.wait(300):
-                raise AssertionError("the scoring actor never started scoring in 300 s: nothing was killed")
+            if not struck.wait(watched.STALL_S):
+                raise AssertionError(f"the scoring actor never started scoring in {watched.STALL_S:.0f} s: nothing "
+                                     "was killed")
             on_rows(items)
 
         return run(work, examples, first_waits, **kwargs)

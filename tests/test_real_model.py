@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import mlflow
 import pytest
 from ci_env import in_ci, require
 from neartie import assert_greedy_same_but_near_ties
+import watched
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m"
@@ -58,8 +58,7 @@ def stages(tmp_path_factory):
         cmd = [*cli, stage, *args, "--output-dir", str(root / (out or stage)), "--overwrite"]
         if recipe:
             cmd += ["--recipe", str(RECIPES / f"{stage}.yaml")]
-        done = subprocess.run(cmd, cwd=root, env={**env, **(extra_env or {})}, capture_output=True, text=True,
-                              timeout=900)
+        done = watched.run(cmd, cwd=root, env={**env, **(extra_env or {})})
         assert done.returncode == 0, f"slmsql {stage} failed:\n{done.stderr[-5000:]}"
         client = mlflow.MlflowClient(uri)
         exp = client.get_experiment_by_name("slmsql")

@@ -3,7 +3,6 @@ completion outscores a correct one), and run `slmsql grpo` in a new process with
 
 import json
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import mlflow
 import pytest
 from inline import InlineExecutor
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.rewards import registry as rewards
@@ -146,7 +146,7 @@ def test_grpo_with_the_dense_set_logs_every_reward(policy, tmp_path):
            "--max-steps", "2", "--num-generations", "4", "--per-device-train-batch-size", "8",
            "--max-completion-length", "32", "--save-steps", "2", "--completions-every", "2", "--workers", "1",
            "--lora-r", "8", "--lora-alpha", "16", "--experiment", "dense"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = watched.run(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = mlflow.MlflowClient()
     (run,) = client.search_runs([client.get_experiment_by_name("dense").experiment_id])

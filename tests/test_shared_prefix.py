@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +32,7 @@ import torch
 from ci_env import require
 from learning import adapter_weights
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
+import watched
 
 from test_vllm import vllm_ready  # noqa: F401  (fixture: vLLM installed, or a CI failure)
 
@@ -344,9 +344,9 @@ def test_the_cost_model_counts_the_weights_each_forward_multiplies(tmp_path):
     3% (TRL's head skips each plain row's last position, which the model counts). In a new process: after an
     in-process GRPO run (tests/test_sampling.py) the counter saw ~25% fewer FLOPs of the same forward, state left
     by TRL or transformers that this count must not depend on."""
-    out = subprocess.run([sys.executable, "-c", "import sys, pathlib, test_shared_prefix as t; "
-                          "t.count_cost_model_flops(pathlib.Path(sys.argv[1]))", str(tmp_path)],
-                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    out = watched.run([sys.executable, "-c", "import sys, pathlib, test_shared_prefix as t; "
+                       "t.count_cost_model_flops(pathlib.Path(sys.argv[1]))", str(tmp_path)],
+                      cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -740,8 +740,8 @@ def test_the_command_line_logs_the_self_check(policy, runs, tmp_path):
             "--max-completion-length", "24", "--max-steps", "1", "--workers", "1", "--lora-r", "4", "--lora-alpha", "8"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"}
     for flag in ("true", "false"):
-        done = subprocess.run([*base, "--shared-prefix", flag, "--output-dir", str(tmp_path / flag),
-                               "--run-name", flag], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        done = watched.run([*base, "--shared-prefix", flag, "--output-dir", str(tmp_path / flag),
+                            "--run-name", flag], env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
     with tracking_store(uri):
         runs_ = {r.info.run_name: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}

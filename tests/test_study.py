@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 from policy import policy_fixture  # noqa: F401  (the fixture)
 from raycluster import ray_head
+import watched
 
 from slmsql import configs
 from slmsql.configs import StudyRunConfig
@@ -57,8 +57,7 @@ def folder(tmp_path, shop):
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "slmsql.cli", "study", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return watched.run([sys.executable, "-m", "slmsql.cli", "study", *args], cwd=cwd)
 
 
 def fake_records(study, fingerprint="f" * 64, code="c0de", cells=None):
@@ -450,7 +449,7 @@ def slmsql(root: Path, *args, script=None):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_EXPERIMENT")},
            "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, *([str(script)] if script else ["-m", "slmsql.cli"]), *args]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    done = watched.run(cmd, cwd=root, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

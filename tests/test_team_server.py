@@ -23,6 +23,7 @@ import psutil
 import pytest
 from ci_env import in_ci
 import ports
+import watched
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 USER, DB = "slmsql", "mlflow"
@@ -110,9 +111,9 @@ def postgres(root: Path):
     data, log = base / "data", root / "postgres.log"
     proc = None
     try:
-        init = subprocess.run([*as_owner, bindir / "initdb", "-D", data, "-U", USER, "--pwfile", pwfile,
-                               "-E", "UTF8", "--locale=C", "--auth-local=trust", "--auth-host=scram-sha-256",
-                               "--no-sync"], check=False, cwd=base, capture_output=True, text=True, timeout=120)
+        init = watched.run([*as_owner, bindir / "initdb", "-D", data, "-U", USER, "--pwfile", pwfile,
+                            "-E", "UTF8", "--locale=C", "--auth-local=trust", "--auth-host=scram-sha-256",
+                            "--no-sync"], check=False, cwd=base)
         assert init.returncode == 0, f"initdb failed:\n{init.stdout[-2000:]}{init.stderr[-2000:]}"
         def start(port):
             with open(log, "ab") as out:
@@ -125,7 +126,7 @@ def postgres(root: Path):
 
         # on a port of its own: started again on another if someone took the one handed out (ports.py)
         proc, port = ports.start_serving(start, lambda p: psycopg2.connect(dbname="postgres", **conn_at(p)).close()
-                                         is None, timeout_s=60, describe=log.read_text)
+                                         is None, describe=log.read_text)
         conn = conn_at(port)
         admin = psycopg2.connect(dbname="postgres", **conn)
         admin.autocommit = True  # CREATE DATABASE cannot run inside a transaction
@@ -137,9 +138,9 @@ def postgres(root: Path):
         yield {**conn, "dbname": DB}, proc, version
     finally:
         if proc is not None and proc.poll() is None:
-            subprocess.run([*as_owner, bindir / "pg_ctl", "stop", "-D", data, "-m", "fast", "-w", "-t", "60"],
-                           check=False, cwd=base, capture_output=True, timeout=90)
-            proc.wait(timeout=30)
+            watched.run([*as_owner, bindir / "pg_ctl", "stop", "-D", data, "-m", "fast", "-w", "-t", "60"],
+                        check=False, cwd=base)
+            proc.wait(timeout=watched.STALL_S)
         if owner:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -172,17 +173,17 @@ class TeamServer:
             return self.mlflow_proc
 
         self.stack.callback(self._stop_mlflow)
-        # the first start creates MLflow's schema in PostgreSQL (alembic migrations): allow for a slow machine
+        # the first start creates MLflow's schema in PostgreSQL (alembic migrations): slow on a slow machine
         _, self.port = ports.start_serving(
             start, lambda p: urllib.request.urlopen(f"http://127.0.0.1:{p}/health", timeout=2).status == 200,
-            timeout_s=240, describe=log.read_text)
+            describe=log.read_text)
         self.uri = f"http://127.0.0.1:{self.port}"
         self.processes()
 
     def _stop_mlflow(self):
         if self.mlflow_proc.poll() is None:
             self.mlflow_proc.send_signal(signal.SIGTERM)  # what a service manager sends
-            self.mlflow_proc.wait(timeout=60)
+            self.mlflow_proc.wait(timeout=watched.STALL_S)
 
     def processes(self) -> set[tuple[int, float]]:
         """Every process of both servers seen so far (a snapshot of the running trees is added)."""
@@ -220,10 +221,10 @@ def test_stage_tracked_on_mlflow_server_with_postgresql_backend(team_server, tmp
     work, out = tmp_path / "work", tmp_path / "work" / "eval"
     work.mkdir()
     env = {**os.environ, "MLFLOW_TRACKING_URI": team_server.uri}
-    stage = subprocess.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(EXAMPLES / "gold.jsonl"),
-                            "--db-root", str(EXAMPLES / "databases"), "--predictions",
-                            str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)],
-                           check=False, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    stage = watched.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(EXAMPLES / "gold.jsonl"),
+                         "--db-root", str(EXAMPLES / "databases"), "--predictions",
+                         str(EXAMPLES / "predictions.jsonl"), "--output-dir", str(out)],
+                        check=False, cwd=work, env=env)
     assert stage.returncode == 0, stage.stderr[-4000:]
     assert not (work / "mlflow.db").exists() and not (work / "mlruns").exists(), "tracked locally, not on the server"
     metrics = json.loads((out / "metrics.json").read_text())

@@ -24,6 +24,7 @@ import scripted
 import torch
 from hubstub import HubStub
 import ports
+import watched
 from policy import policy_fixture, read, tracking_store, write  # noqa: F401  (the fixture)
 
 from slmsql import configs
@@ -153,7 +154,7 @@ def test_bad_rows_are_refused_with_the_row_named(store):
 def post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
+        with urllib.request.urlopen(req, timeout=watched.STALL_S) as r:  # a generation, on a busy machine
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -176,7 +177,7 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
             return r.status == 200
 
     proc_of = {}
-    proc, port = ports.start_serving(lambda p: proc_of.setdefault(p, serve(p)), pings, timeout_s=180,
+    proc, port = ports.start_serving(lambda p: proc_of.setdefault(p, serve(p)), pings,
                                      describe=lambda: (tmp_path / "serve.log").read_text())
     try:
         tree.update((q.pid, q.create_time()) for q in ports.tree(proc.pid))
@@ -194,7 +195,7 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        proc.wait(timeout=watched.STALL_S)
         log.close()
     procs = []  # the CLI and uvicorn, as they were (a pid reused since is another process)
     for pid, started in tree:
@@ -202,8 +203,8 @@ def test_mlflow_models_serve_answers_invocations(store, policy, tmp_path):
             q = psutil.Process(pid)
             if q.create_time() == started:
                 procs.append(q)
-    # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past a minute
-    _, alive = psutil.wait_procs(procs, timeout=60)
+    # uvicorn's worker exits after its parent: wait for each to end (a zombie has ended), failing past the ceiling
+    _, alive = psutil.wait_procs(procs, timeout=watched.STALL_S)
     alive = [" ".join(q.cmdline()) for q in alive if q.status() != psutil.STATUS_ZOMBIE]
     assert len(tree) >= 2 and alive == []  # the CLI and uvicorn, both gone: nothing of theirs listens any more
 

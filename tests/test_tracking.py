@@ -2,6 +2,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from ports import refused_port
+import watched
 
 from slmsql.cli import main
 
@@ -108,7 +109,6 @@ def test_a_stage_run_leaves_no_experiment_id_for_the_processes_started_after_it(
     against another store would look for that experiment there. A stage run in this process leaves the
     environment as it found it."""
     import os
-    import subprocess
     import sys
 
     out = tmp_path / "out"
@@ -119,9 +119,8 @@ def test_a_stage_run_leaves_no_experiment_id_for_the_processes_started_after_it(
     assert result.exit_code == 0, result.output
     assert "MLFLOW_EXPERIMENT_ID" not in os.environ
     other = f"sqlite:///{tmp_path}/other.db"  # a fresh store: only experiment 0
-    proc = subprocess.run([sys.executable, "-c", "import mlflow; print(mlflow.start_run().info.experiment_id)"],
-                          env={**os.environ, "MLFLOW_TRACKING_URI": other}, capture_output=True, text=True,
-                          timeout=120)
+    proc = watched.run([sys.executable, "-c", "import mlflow; print(mlflow.start_run().info.experiment_id)"],
+                       env={**os.environ, "MLFLOW_TRACKING_URI": other})
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stderr[-2000:]
 
 
@@ -171,7 +170,7 @@ def test_a_server_on_a_port_someone_took_is_started_again_on_another(monkeypatch
     monkeypatch.setattr(tracking, "server_command", lambda host, port, store, artifacts:
                         [sys.executable, "-c", FAKE_SERVER, str(port)])
     try:
-        proc, uri = tracking.start_server(port=0, timeout_s=60)
+        proc, uri = tracking.start_server(port=0, timeout_s=watched.STALL_S)
     finally:
         monkeypatch.setattr(socket, "socket", real_socket)
         impostor.shutdown()

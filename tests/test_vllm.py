@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import mlflow
 import pytest
 from ci_env import in_ci
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
+import watched
 
 from slmsql import configs
 from slmsql.generation import engines, sampling as generation, vllm_engine
@@ -222,8 +222,7 @@ def _cli(stage_name, args, out):
     """`python -m slmsql.cli <stage> ...` in a new process, as a user runs it: (MLflow run, output folder).
     In a fresh process vLLM's lazily imported submodules (vllm.lora) are not there unless slmsql imports them."""
     argv = [a for k, v in {**args, "output_dir": str(out)}.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", stage_name, *argv], capture_output=True, text=True,
-                          timeout=600)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", stage_name, *argv])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return _latest_run(), out
 

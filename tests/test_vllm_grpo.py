@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import os
 import signal
-import subprocess
 import sys
 import weakref
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from policy import policy_fixture, read, write  # noqa: F401  (the fixture)
 from test_grpo import _refused, band_file, grpo_cfg, no_model_load, paths  # noqa: F401  (fixtures)
 from test_vllm import TIE, adapter, vllm_ready  # noqa: F401  (fixtures: a LoRA that changes the policy's answers)
+import watched
 
 from slmsql import configs
 from slmsql.runtime import distributed
@@ -76,10 +76,10 @@ def test_refused_before_any_model_loads(paths, tmp_path, monkeypatch, no_model_l
 
 @pytest.mark.slow  # a fresh CLI process (~8 s): its in-process twin above stays in the fast tier
 def test_full_weights_refused_from_the_command_line(paths, tmp_path):
-    done = subprocess.run(
+    done = watched.run(
         [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--use-lora", "false", "--data",
          str(paths.train), "--db-root", str(paths.db_root), "--model", str(paths.model), "--output-dir",
-         str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+         str(tmp_path / "out")])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "as a LoRA" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
@@ -104,10 +104,10 @@ def test_every_check_trls_init_makes_on_use_vllm_is_mirrored():
 
 @pytest.mark.slow  # the same CLI path as test_full_weights_refused_from_the_command_line (fast), another refusal
 def test_trl_check_refused_from_the_command_line(paths, tmp_path):
-    done = subprocess.run(
+    done = watched.run(
         [sys.executable, "-m", "slmsql.cli", "grpo", "--backend", "vllm", "--trainer-args", "loss_type=vespo",
          "--data", str(paths.train), "--db-root", str(paths.db_root), "--model", str(paths.model), "--output-dir",
-         str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+         str(tmp_path / "out")])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "VESPO needs" in done.stderr and "sequence_mask" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
@@ -276,9 +276,8 @@ def test_policy_step_from_the_command_line(policy, tmp_path, vllm_ready):
             "backend": "vllm", "num-generations": 4, "per-device-train-batch-size": 8, "max-completion-length": 16,
             "max-steps": 2, "save-steps": 2, "workers": 1, "lora-r": 8, "lora-alpha": 16, "learning-rate": 0.05,
             "experiment": "cli"}
-    done = subprocess.run([sys.executable, "-m", "slmsql.cli", "grpo",
-                           *[a for k, v in args.items() for a in (f"--{k}", str(v))]],
-                          capture_output=True, text=True, timeout=900)
+    done = watched.run([sys.executable, "-m", "slmsql.cli", "grpo",
+                        *[a for k, v in args.items() for a in (f"--{k}", str(v))]])
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = mlflow.search_runs(experiment_names=["cli"], output_format="list")
     assert _history(run.info.run_id, "rollout/policy_step") == [(1, 0.0), (2, 1.0)]
@@ -463,12 +462,10 @@ def test_killed_run_resumes_in_the_same_run(policy, tmp_path, vllm_ready):
             "--save-steps", "2", "--completions-every", "2", "--workers", "1", "--lora-r", "8", "--lora-alpha", "16",
             "--lora-dropout", "0", "--learning-rate", "0.05"]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_CHECKPOINT_2, *args], env=env, capture_output=True,
-                            text=True, timeout=600)
+    killed = watched.run([sys.executable, "-c", KILLED_AFTER_CHECKPOINT_2, *args], env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert (tmp_path / "out.partial" / "checkpoint-2").is_dir() and not (tmp_path / "out").exists()
-    done = subprocess.run([sys.executable, "-m", "slmsql.cli", *args[:1], "--resume", *args[1:]], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = watched.run([sys.executable, "-m", "slmsql.cli", *args[:1], "--resume", *args[1:]], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert run.info.status == "FINISHED" and run.data.params["backend"] == "vllm"
