@@ -813,7 +813,7 @@ def test_sweep_card_carries_the_table_and_the_pooled_verdict(store, tmp_path):
     assert "This adapter (seed 1) alone: bird: 36.9% → 36.2%" in tldr  # its own single-seed numbers follow
     table = section(card, "Seeds and variants")
     assert "seed 1 of the GRPO variant `defaults`, one of 2 variants × 3" in " ".join(table.split())
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "between-seed sd" not in line]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "sd of the per-seed differences" not in line]
     # per eval set: the pooled table (a header and one row per variant), then the same rows over seeds
     method_rows = [line for line in rows if line.count("|") == 7 and not line.startswith("| Variant")]
     rows = [line for line in rows if line not in method_rows]
