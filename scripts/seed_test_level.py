@@ -12,12 +12,13 @@ about 0, so both arms average 1/2). The tests compared, on the seeds x questions
   MS_within) / n), Satterthwaite df; where var_seed is cut to 0, the pooled t-test (df n - 1).
 - `per_seed`: a one-sample t-test on the S per-seed mean differences (df S - 1): seeds the only random unit.
 - `min_f`: Clark's (1973) min F' as a t: t^2 = S n mean^2 / (MS_seed + MS_question), Satterthwaite df of that
-  sum. Both random terms always in (neither is ever dropped), each with its own df; conservative by the
-  var_within / (S n) it counts twice.
+  sum. Both random terms always in (neither is ever dropped); its df are estimated as the old test's were.
+- `seed_t` (slmsql's since issue 58): the per-seed t-test with the questions' variance added, t^2 = S n mean^2 /
+  (MS_seed + max(0, MS_question - MS_within)), df S - 1.
 
 It prints, per seeds x seed_sd cell, each test's rejection rate at alpha (null) and its power at a gain of
 `--gain` (logit), then one JSON line of all of them. Vectorised over studies; the chosen test
-(`seedstats.over_differences`) is checked to equal `min_f` on the first studies of each cell.
+(`seedstats.over_differences`) is checked to equal `seed_t` on the first studies of each cell.
 """
 
 from __future__ import annotations
@@ -69,13 +70,13 @@ def p_values(d: np.ndarray) -> dict:
 
 
 def check_library(d: np.ndarray, ps: np.ndarray, k: int = 20) -> None:
-    """The library's test (`seedstats.over_differences`) is `min_f` on the first k studies."""
+    """The library's test (`seedstats.over_differences`) is `seed_t` on the first k studies."""
     from slmsql.stats.seedstats import over_differences
 
     for i in range(min(k, len(d))):
         got = over_differences(d[i])["p"]
         if not math.isclose(got, float(ps[i]), rel_tol=1e-9, abs_tol=1e-15):
-            raise SystemExit(f"seedstats.over_differences gives p {got}, min_f {ps[i]} (study {i})")
+            raise SystemExit(f"seedstats.over_differences gives p {got}, seed_t {ps[i]} (study {i})")
 
 
 def main(argv=None) -> int:
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                     for name, p in p_values(d).items():
                         done.setdefault(name, []).append(p < args.alpha)
                     if start == 0 and label == "null" and not args.no_check:
-                        check_library(d, p_values(d)["min_f"])
+                        check_library(d, p_values(d)["seed_t"])
                 for name in TESTS:
                     cell[f"{name}_{label}"] = float(np.concatenate(done[name]).mean())
             cells.append(cell)

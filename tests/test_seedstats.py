@@ -12,7 +12,7 @@ from scipy.stats import t as student_t
 from scipy.stats import ttest_1samp
 
 from slmsql.errors import SlmsqlError
-from slmsql.stats.seedstats import components, over_differences, over_seeds, satterthwaite
+from slmsql.stats.seedstats import components, over_differences, over_seeds
 from slmsql.stats.inference import compare_seeds
 
 
@@ -134,18 +134,25 @@ def test_components_match_statsmodels_crossed_reml():
     assert r["diff"] == pytest.approx(float(fit.fe_params.iloc[0]))
 
 
-def test_satterthwaite_textbook_forms():
-    """One mean square: its own df. Two equal ones of df 10: 20 (the pooled variance). Welch's df for
-    s1^2 = 4, n1 = 10, s2^2 = 9, n2 = 15: (0.4 + 0.6)^2 / (0.4^2 / 9 + 0.6^2 / 14) = 23.0 (to 1 decimal)."""
-    assert satterthwaite([(1, 3.0, 7)]) == pytest.approx(7)
-    assert satterthwaite([(1, 2.0, 10), (1, 2.0, 10)]) == pytest.approx(20)
-    assert satterthwaite([(1 / 10, 4.0, 9), (1 / 15, 9.0, 14)]) == pytest.approx(1 / (0.16 / 9 + 0.36 / 14))
-    assert round(satterthwaite([(1 / 10, 4.0, 9), (1 / 15, 9.0, 14)]), 1) == 23.0
-
-
 @pytest.mark.parametrize("runs,base", [([[True, False]], [True, False]), ([[True], [False]], [True]),
                                        ([[True, False, True]], [True, False])])
 def test_bad_input_raises(runs, base):
     with pytest.raises(ValueError) as e:
         over_seeds(runs, base)
     assert isinstance(e.value, SlmsqlError)
+
+
+def test_the_level_simulation_script_runs_and_checks_the_library():
+    """scripts/seed_test_level.py (the simulation that chose the test) at its smallest: its last line is JSON of
+    every candidate's null rejection rate, and it checks slmsql's test against its own `seed_t` (exit 0)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "seed_test_level.py"
+    proc = subprocess.run([sys.executable, str(script), "--reps", "100", "--seeds", "2", "--seed-sds", "0.3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out["worst_null"]) == {"truncated", "min_f", "per_seed", "seed_t"} and len(out["cells"]) == 1

@@ -73,13 +73,6 @@ def _positive(x: float) -> float:
     return x if x > 1e-12 else 0.0
 
 
-def satterthwaite(terms: Sequence[tuple[float, float, float]]) -> float:
-    """Degrees of freedom of sum(c * MS) for (c, MS, df) terms: (sum c MS)^2 / sum((c MS)^2 / df)."""
-    num = sum(c * ms for c, ms, _ in terms) ** 2
-    den = sum((c * ms) ** 2 / df for c, ms, df in terms)
-    return num / den if den > 0 else math.inf
-
-
 def over_seeds(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: float = 0.05) -> dict:
     """Several seeds vs one baseline, with seeds and questions both random (see the module docstring).
 
