@@ -31,7 +31,7 @@ demo: install
 # continues it); SHARD=K/N takes one share of the cells, so several machines split a study. The toy studies need
 # the toy world and the tiny model; the SmolLM2 ones the model in the Hugging Face cache (`make smollm2`).
 #   make study STUDY=toy-control        the positive control      make study STUDY=toy-rewards   the reward sets
-#   make study STUDY=toy-study          the GRPO variants         make study STUDY=smollm2-real  SmolLM2, 40 steps
+#   make study STUDY=toy-study          the GRPO variants         make study STUDY=smollm2-transfer  SmolLM2, 3 passes
 STUDY ?= toy-control
 outputs/toy/dev.jsonl: | $(BIN)/slmsql
 	$(BIN)/slmsql toy

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy.stats import t as student_t
+from scipy.stats import ttest_1samp
 
 from slmsql.configs import Variant
 from slmsql.errors import DataError
@@ -74,8 +75,10 @@ def test_arm_vs_start_is_the_paired_t_worked_by_hand():
     assert row["p"] == pytest.approx(2 * student_t.sf(0.3 / se, 9))  # 0.081
     assert (row["ex_b"], row["ex_mean"], row["ex_sd"], row["diff_seeds"]) == (0.3, 0.6, 0.0, [pytest.approx(0.3)] * 3)
     assert row["p_holm"] == row["p"] and row["verdict"] == "no significant difference"  # a family of one
-    # identical seeds: no between-seed spread, so the method's test is the pooled one
-    assert (row["seed_p"], row["seed_diff_ci_low"], row["var_seed"]) == (row["p"], row["diff_ci_low"], 0)
+    # identical seeds: no spread between them, so the method's se is the pooled one, but on seeds - 1 = 2 df
+    assert (row["seed_df"], row["var_seed"], row["seed_diff_sd"]) == (2, 0, 0)
+    assert row["seed_p"] == pytest.approx(2 * student_t.sf(0.3 / se, 2))  # 0.188
+    assert row["seed_diff_ci_low"] == pytest.approx(0.3 - T_975[2] * se, abs=1e-3)
     assert rep["eval_sets"] == [{"name": "dev", "n": 10, "ex_b": 0.3}] and rep["missing"] == []
 
 
@@ -112,8 +115,9 @@ def test_arm_vs_arm_worked_by_hand():
     t = sqrt(3) on 2 df, interval 0.5 +- 4.303 se. Over seeds, the 2 x 3 array's ANOVA by hand: grand mean 0.5,
     seed means 1 and 0 -> MS_seed = 3 (0.25 + 0.25) / 1 = 1.5; question means 0.5, 1, 0 -> MS_question =
     2 (0 + 0.25 + 0.25) / 2 = 0.5; residuals 0, -0.5, 0.5 / 0, 0.5, -0.5 -> MS_within = 1 / 2 = 0.5. So
-    var_seed = (1.5 - 0.5) / 3 = 1/3, Var(mean) = (0.5 + 1.5 - 0.5) / 6 = 0.25: se 0.5, t = 1, Satterthwaite
-    df = 1.5^2 / (0.5^2 / 2 + 1.5^2 / 1 + 0.5^2 / 2) = 0.9."""
+    var_seed = (1.5 - 0.5) / 3 = 1/3, and the method's Var(mean) = (MS_seed + max(0, MS_question - MS_within)) / 6
+    = 0.25: se 0.5, t = 1 on 2 - 1 = 1 df, p = 0.5: the t-test on the per-seed differences +1 and 0 (mean 0.5, sd
+    0.707, se 0.5; t table, 1 df: 12.706)."""
     start, cells = arms_2x3()
     rep = report.build(study(["a", "b"], [0, 1], comparisons=[{"arm": "a", "against": "b", "eval_set": "dev"}]),
                        start, cells)
@@ -125,29 +129,31 @@ def test_arm_vs_arm_worked_by_hand():
                                                                       abs=1e-3)
     assert row["p"] == pytest.approx(2 * student_t.sf(math.sqrt(3), 2))  # 0.225
     assert (row["var_seed"], row["var_question"], row["var_within"]) == pytest.approx((1 / 3, 0, 0.5))
-    assert row["seed_df"] == pytest.approx(0.9)
-    assert row["seed_p"] == pytest.approx(2 * student_t.sf(1.0, 0.9))
-    half = student_t.ppf(0.975, 0.9) * 0.5
-    assert (row["seed_diff_ci_low"], row["seed_diff_ci_high"]) == pytest.approx((0.5 - half, 0.5 + half))
+    assert row["seed_df"] == 1 and row["seed_p"] == pytest.approx(0.5)  # t = 1 on 1 df: the Cauchy's quartile
+    assert row["seed_p"] == pytest.approx(ttest_1samp([1.0, 0.0], 0.0).pvalue)
+    assert row["seed_diff_sd"] == pytest.approx(math.sqrt(0.5))
+    half = 12.706 * 0.5
+    assert (row["seed_diff_ci_low"], row["seed_diff_ci_high"]) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-3)
     # EX: a's seeds 3/3 and 2/3, b's 0/3 and 2/3; per seed a - b: +1 and 0
     assert row["ex_seeds"] == pytest.approx([1, 2 / 3]) and row["ex_b"] == pytest.approx(1 / 3)
     assert row["diff_seeds"] == pytest.approx([1, 0])
     assert row["verdict"] == row["seed_verdict"] == "no significant difference"
 
 
-def test_arm_vs_arm_without_spread_between_seeds_is_the_pooled_test():
+def test_arm_vs_arm_without_spread_between_seeds_has_the_pooled_se_on_seeds_minus_1_df():
     """b differs between its seeds, and a is b with questions 0 and 1 turned right in each seed: every seed's
-    difference is [1, 1, 0, 0, 0, 0], so no between-seed variance and the method's test is the pooled one, to the
-    bit: mean 1/3, sd^2 = (2 (2/3)^2 + 4 (1/3)^2) / 5 = 4/15, t = (1/3) / sqrt(4/15 / 6) = sqrt(2.5)."""
+    difference is [1, 1, 0, 0, 0, 0], so no between-seed variance: mean 1/3, sd^2 = (2 (2/3)^2 + 4 (1/3)^2) / 5 =
+    4/15, t = (1/3) / sqrt(4/15 / 6) = sqrt(2.5), the pooled test's t; over seeds the same t on 2 - 1 = 1 df (the
+    seed term is kept: 2 seeds that agree are not evidence that seeds agree)."""
     b = {0: [0, 0, 1, 1, 0, 1], 1: [0, 0, 0, 1, 1, 0]}
     a = {s: [1, 1, *x[2:]] for s, x in b.items()}
     cells = [cell(name, s, {"dev": x[s]}) for name, x in (("a", a), ("b", b)) for s in (0, 1)]
     rep = report.build(study(["a", "b"], [0, 1], comparisons=[{"arm": "a", "against": "b", "eval_set": "dev"}]),
                        start_record({"dev": [0] * 6}), cells)
     [row] = rep["rows"]
-    assert row["t"] == pytest.approx(math.sqrt(2.5)) and row["var_seed"] == 0
-    assert (row["seed_p"], row["seed_diff_ci_low"], row["seed_diff_ci_high"], row["seed_df"]) == (
-        row["p"], row["diff_ci_low"], row["diff_ci_high"], row["df"])
+    assert row["t"] == pytest.approx(math.sqrt(2.5)) and row["var_seed"] == 0 and row["df"] == 5
+    assert row["seed_df"] == 1 and row["seed_p"] == pytest.approx(2 * student_t.sf(math.sqrt(2.5), 1))
+    assert row["seed_p"] > row["p"]
 
 
 # ---- Holm over the declared family, and records missing --------------------------------------------------------
@@ -165,7 +171,9 @@ def test_holm_takes_the_declared_family_a_missing_row_as_p_1():
     assert round(p_flat, 4) == 0.0811 and flat["p"] == pytest.approx(p_flat)
     assert (up["p"], up["p_holm"], up["verdict"]) == (0, 0, "improved")
     assert flat["p_holm"] == pytest.approx(2 * p_flat) and flat["verdict"] == "no significant difference"
-    assert (up["seed_p_holm"], flat["seed_p_holm"]) == pytest.approx((0, 2 * p_flat))  # the method's family too
+    # the method's family too: flat's seeds agree, so its t over seeds is the pooled one on 1 df
+    assert (up["seed_p_holm"], flat["seed_p_holm"]) == pytest.approx(
+        (0, 2 * 2 * student_t.sf(0.3 / math.sqrt(2.1 / 9 / 10), 1)))
     # the incomplete row: its estimate from the seed present, no Holm p, no verdict, and why
     assert part["diff"] == pytest.approx(0.1) and part["seeds"] == 1 and part["seed_ids"] == [0]
     assert part["p_holm"] is part["verdict"] is part["seed_verdict"] is None and not part["complete"]
@@ -357,12 +365,14 @@ def test_the_readme_and_docs_tables_are_what_the_script_writes():
 
 
 def test_the_generator_writes_each_studys_rows_and_keeps_the_typed_ones(tmp_path):
-    """Two synthetic studies: the hand case of 10 questions (+30.0 [-4.6, +64.6], p 0.081, a family of one) and
-    one with a record missing (no numbers, no verdict). p as the README writes it (stats.wording: 2 decimals)."""
+    """Three synthetic studies: the hand case of 10 questions (+30.0 [-4.6, +64.6], p 0.081, a family of one), one
+    with a record missing and one with none: these two have no numbers, so no row, each a line under the table.
+    p as the README writes it (stats.wording: 2 decimals); the header says which is adjusted."""
     hand = report.build(study(["grpo"], [0, 1, 2]), start_record({"dev": right(10, 0, 1, 2)}),
                         [cell("grpo", s, {"dev": right(10, *range(6))}) for s in (0, 1, 2)])
     s, start, cells = _mixed()
-    for name, rep in (("hand", hand), ("mixed", report.build(s, start, cells))):
+    planned = report.build({**study(["a"], [0]), "title": "a planned study"}, None, [])
+    for name, rep in (("hand", hand), ("mixed", report.build(s, start, cells)), ("planned", planned)):
         (tmp_path / "studies" / name).mkdir(parents=True)
         (tmp_path / "studies" / name / "report.json").write_text(json.dumps(rep))
     (tmp_path / "docs").mkdir()
@@ -374,17 +384,20 @@ def test_the_generator_writes_each_studys_rows_and_keeps_the_typed_ones(tmp_path
     assert subprocess.run(script, capture_output=True, text=True).returncode == 0
     text = (tmp_path / "README.md").read_text()
     assert (tmp_path / "docs" / "index.md").read_text() == text
-    table = text.split("|---|---|---|---|---|---|\n")[1].split("\n\n")[0].splitlines()
-    assert table == [
+    head, rest = text.split("|---|---|---|---|---|---|\n")
+    assert head.endswith("| difference [unadjusted 95% CI] | p (Holm-adjusted, or family of 1) | verdict |\n")
+    table, *under = rest.split("\n\n")
+    assert table.splitlines() == [
         "| seed: typed | BIRD (149) | 36.9% → 36.2% | ±16 | 1.0 | no significant difference |",  # kept
         "| `studies/hand`: a toy study (grpo vs start) | dev (10) | 30.0% → 60.0% | +30.0 [−4.6, +64.6] | "
-        "0.08 (family of 1) | no significant difference |",
-        # records missing: one row for the study (its plan.readme chose 2 comparisons, both on dev), no numbers,
-        # no verdict
-        "| `studies/mixed`: a toy study | dev (12) | — | — | — | records: 5 of 6 cells; rest missing |"]
+        "0.08 (family of 1) | no significant difference |"]
+    # no row without numbers: the studies that wait for records are named under the table
+    assert under[:2] == ["Declared, not yet run (no records): `studies/planned` (a planned study).",
+                         "Records not all in (no numbers until they are): `studies/mixed` (5 of 6 cells)."]
+    assert "| `studies/mixed`" not in text and "| `studies/planned`" not in text
     assert text.startswith("# x\n\n<!-- generated:") and text.endswith("<!-- end generated -->\n\nafter\n")
     assert subprocess.run([*script, "--check"], capture_output=True, text=True).returncode == 0  # now in step
-    assert readme.rewrite(text, readme.generated(tmp_path)) == text  # again: the same bytes
+    assert readme.rewrite(text, *readme.generated(tmp_path)[:1], notes=readme.generated(tmp_path)[1]) == text
 
 
 def test_the_generator_refuses_what_it_cannot_place(tmp_path):

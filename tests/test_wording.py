@@ -1,6 +1,6 @@
 """How numbers are written in cards and run descriptions."""
 
-from slmsql.stats.wording import duration, pct, points, pts, pval
+from slmsql.stats.wording import bound, duration, pct, points, pts, pval
 
 
 def test_numbers_in_words():
@@ -8,6 +8,13 @@ def test_numbers_in_words():
     assert (pts(0.01), pts(-0.007), pts(-0.0004), pts(0.0)) == ("+1.0", "−0.7", "0.0", "0.0")
     assert (pval(0.0004), pval(0.0042), pval(0.2268)) == ("< 0.001", "0.004", "0.23")
     assert points(0.0284) == "2.8"
+
+
+def test_a_bound_that_rounds_to_0_shows_its_side_of_0():
+    """An interval [−2.4, −0.04] excludes 0; written [−2.4, 0.0] it reads as touching it: one more digit."""
+    assert (bound(-0.0004), bound(0.0003), bound(-0.00004), bound(0.0), bound(-0.024), bound(None)) == (
+        "−0.04", "+0.03", "−0.00", "0.0", "−2.4", "n/a")
+    assert bound(-0.0004, minus="-") == "-0.04"
 
 
 def test_durations_in_words():

@@ -21,7 +21,7 @@ from pathlib import Path
 from slmsql import configs
 from slmsql.errors import SlmsqlError
 from slmsql.inputs.sources import hub_id, same_model
-from slmsql.stats.wording import duration, pct, points, pts, pval
+from slmsql.stats.wording import bound, duration, pct, points, pts, pval
 from slmsql.tracking.runs import portable
 
 TEMPLATE_DIR = Path(str(resources.files("slmsql") / "model_card"))  # model_card/, which the package carries
@@ -453,7 +453,7 @@ def render(ctx: dict, data, template: str = "README.md.j2") -> str:
         raise SlmsqlError(f"model card template not found: {TEMPLATE_DIR / template}")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    env.filters.update(pct=pct, pts=pts, points=points, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
+    env.filters.update(pct=pct, pts=pts, bound=bound, points=points, pval=pval, mdd=mdd, num=num, duration=duration, md=md)
     try:
         return env.get_template(template).render(front_matter=data.to_yaml(), **ctx)
     except jinja2.UndefinedError as e:  # a run that lacks a param or metric the card states

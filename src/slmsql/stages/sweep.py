@@ -288,7 +288,7 @@ def markdown(rep: dict) -> str:
         mine = [r for r in rep["rows"] if r["eval_set"] == es["name"]]
         lines += [f"**{es['name']}** (n = {es['n']}{start})", "",
                   *tables.pooled_table(mine, level, base_column="start EX" if several else ""), "",
-                  *tables.method_table([r for r in mine if r["seed_p"] is not None], with_seeds)]
+                  *tables.method_table([r for r in mine if r["seed_p"] is not None], with_seeds, level)]
     return "\n".join(lines)
 
 

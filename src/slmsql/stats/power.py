@@ -7,8 +7,8 @@ verdict for the method). With the pilot's components var_seed, var_question, var
 a design of S seeds and n questions has
 
     pooled:  se^2 = (var_question + var_within / S) / n,                 df = n - 1
-    method:  se^2 = var_seed / S + (var_question + var_within / S) / n,  df = Satterthwaite on the expected
-             mean squares (n var_seed + var_within, S var_question + var_within, var_within; stats/seedstats.py)
+    method:  se^2 = var_seed / S + (var_question + var_within / S) / n,  df = S - 1 (stats/seedstats.py: the
+             t-test on the per-seed mean differences with the questions' variance added)
 
 and the power of the two-sided test at level alpha / m is that of a noncentral t with noncentrality
 effect / se (the one-sample t-test's power, as G*Power and statsmodels' TTestPower compute it, with these se
@@ -32,7 +32,6 @@ from scipy.stats import chi2, nct, norm
 from scipy.stats import t as student_t
 
 from slmsql.stats.inference import StatsError
-from slmsql.stats.seedstats import satterthwaite
 
 
 @dataclass(frozen=True)
@@ -71,9 +70,7 @@ def se_df(c: Components, seeds: int, n: int, over_seeds: bool) -> tuple[float, f
                          "--seed-sd")
     if seeds < 2:
         raise StatsError("the method's test needs at least 2 seeds")
-    e_seed, e_q, e_w = n * c.var_seed + c.var_within, seeds * c.var_question + c.var_within, c.var_within
-    df = satterthwaite([(1.0, e_q, n - 1), (1.0, e_seed, seeds - 1), (-1.0, e_w, (seeds - 1) * (n - 1))])
-    return math.sqrt(pooled + c.var_seed / seeds), min(df, math.inf)
+    return math.sqrt(pooled + c.var_seed / seeds), seeds - 1
 
 
 def power(effect: float, c: Components, seeds: int, n: int, family: int = 1, alpha: float = 0.05,
@@ -100,19 +97,17 @@ DRAWS = 20_000  # Monte Carlo error of a power near 0.9: 0.002
 def _method_power(effect: float, c: Components, seeds: int, n: int, level: float) -> float:
     """The method test's power by simulating its own statistics under the normal-theory model: the three mean
     squares as scaled chi-squares around their expectations, the grand mean normal around `effect`, and the test
-    as `seedstats.over_seeds` runs it (the seed part only where MS_seed > MS_within, df from the drawn mean squares).
-    A noncentral t at the expected mean squares' df overstates it with few seeds (0.90 predicted, 0.83-0.89
-    simulated from binary outcomes at 3-5 seeds): the df it would use are not the df the test gets. Fixed draws
-    (seeded), so power is a smooth function of the effect and the same on every call."""
+    as `seedstats.over_seeds` runs it (MS_seed plus the question part MS_question - MS_within where positive, t on
+    seeds - 1 df). A noncentral t at the expected mean squares misses the test's estimated variance, which is not a
+    scaled chi-square. Fixed draws (seeded), so power is a smooth function of the effect and the same on every
+    call."""
     rng = np.random.default_rng(0)
     dfs = np.array([seeds - 1, n - 1, (seeds - 1) * (n - 1)], dtype=float)
     expected = np.array([n * c.var_seed + c.var_within, seeds * c.var_question + c.var_within, c.var_within])
     ms = expected[:, None] * rng.chisquare(dfs[:, None], (3, DRAWS)) / dfs[:, None]
     mean = effect + math.sqrt((expected[0] + expected[1] - expected[2]) / (seeds * n)) * rng.standard_normal(DRAWS)
-    seed_part = ms[0] - ms[2] > 1e-12 * np.maximum(1.0, ms[0])
-    combo = np.where(seed_part, ms[1] + ms[0] - ms[2], ms[1])
-    df = np.where(seed_part, combo ** 2 / np.maximum((ms ** 2 / dfs[:, None]).sum(axis=0), 1e-300), n - 1)
-    crit = student_t.ppf(1 - level / 2, df)
+    combo = ms[0] + np.maximum(ms[1] - ms[2], 0.0)
+    crit = student_t.ppf(1 - level / 2, seeds - 1)
     return float(np.mean(np.abs(mean) > crit * np.sqrt(combo / (seeds * n))))
 
 

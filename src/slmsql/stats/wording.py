@@ -16,6 +16,17 @@ def pts(x) -> str:
     return "0.0" if v == 0 else f"{v:+.1f}".replace("-", "−")
 
 
+def bound(x, minus: str = "−") -> str:
+    """An interval's bound in points: as `pts`, but a bound that rounds to 0 and is not 0 gets one more digit
+    (−0.04, +0.03), so which side of 0 it lies on shows (an interval [−2.4, 0.0] reads as touching 0 when it
+    excludes it)."""
+    if x is None:
+        return "n/a"
+    v = 100 * x
+    text = f"{v:+.1f}" if v == 0 or round(v, 1) != 0 else f"{v:+.2f}"
+    return ("0.0" if v == 0 else text).replace("-", minus)
+
+
 def pval(p) -> str:
     return "n/a" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}")
 

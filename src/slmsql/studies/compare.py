@@ -21,7 +21,8 @@ ARM_METHOD = ("paired t-test on per-question differences (mean over seeds of one
               "other), with the matching t interval")
 STAT_KEYS = ("n", "seeds", "ex_seeds", "ex_mean", "ex_sd", "ex_min", "ex_max", "ex_b", "diff", "diff_ci_low",
              "diff_ci_high", "t", "df", "p")
-SEED_KEYS = ("seed_diff_ci_low", "seed_diff_ci_high", "seed_df", "seed_p", "var_seed", "var_question", "var_within")
+SEED_KEYS = ("seed_diff_ci_low", "seed_diff_ci_high", "seed_df", "seed_p", "seed_diff_sd", "var_seed", "var_question",
+             "var_within")
 
 
 def vs_start(runs: Sequence[Sequence[bool]], baseline: Sequence[bool], alpha: float) -> dict:
@@ -43,9 +44,7 @@ def vs_arm(a: dict[int, Sequence[bool]], b: dict[int, Sequence[bool]], alpha: fl
     ex_a, ex_b = ra.mean(axis=1), rb.mean(axis=1)
     d = ra.mean(axis=0) - rb.mean(axis=0)
     test = inference.paired_t(d, alpha)
-    # the over-seeds test is given the pooled differences as computed here, so that without a seed part it is the
-    # pooled test to the bit
-    seed = seedstats.differences_summary(ra.astype(float) - rb, alpha, pooled=d)
+    seed = seedstats.differences_summary(ra.astype(float) - rb, alpha)
     return {"n": int(d.size), "seeds": len(both), "ex_seeds": [float(x) for x in ex_a],
             "ex_mean": float(ex_a.mean()), "ex_sd": float(ex_a.std(ddof=1)) if len(both) > 1 else math.nan,
             "ex_min": float(ex_a.min()), "ex_max": float(ex_a.max()), "ex_b": float(ex_b.mean()),

@@ -222,7 +222,7 @@ def markdown(report: dict) -> str:
                   *tables.pooled_table(mine, level, "comparison", lambda x: x["label"],
                                        "EX compared with" if arms else ""), "",
                   # the rows with something to show: a planned study's has none, and no table
-                  *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family,
+                  *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family, level,
                                        "comparison", lambda x: x["label"])]
     lines += [*tables.diagnosis_table(r["diagnosis"], [es["name"] for es in r["eval_sets"]]), ""]
     lines += ["**Missing records.**", ""]
