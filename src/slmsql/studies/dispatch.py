@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 RETRIES = 2  # a cell's task is tried again this many times after its worker died
 
 
-def here(study: Study, todo: list[Cell], start: cells.Start, s, progress) -> None:
+def here(study: Study, todo: list[Cell], start: cells.Start, s, progress, shard: str = "") -> None:
     for c in todo:
-        progress(c, records.write(study, cells.cell(study, s, c, start)))
+        progress(c, records.write(study, {**cells.cell(study, s, c, start), "shard": shard or None}))
 
 
 def _kill_group(pgid_file: Path) -> None:
@@ -59,7 +59,8 @@ def cell_task(cwd: str, folder: str, cell_id: str, policy: str, band: str, workd
     return json.loads(out.read_text(encoding="utf-8"))
 
 
-def on_ray(study: Study, todo: list[Cell], start: cells.Start, workdir: str, address: str, progress) -> None:
+def on_ray(study: Study, todo: list[Cell], start: cells.Start, workdir: str, address: str, progress,
+           shard: str = "") -> None:
     import ray
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("MLFLOW_", "HF_", "OMP_", "ATEN_", "SLMSQL_"))}
@@ -73,7 +74,7 @@ def on_ray(study: Study, todo: list[Cell], start: cells.Start, workdir: str, add
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)
             c = pending.pop(ref)
-            progress(c, records.write(study, ray.get(ref)))
+            progress(c, records.write(study, {**ray.get(ref), "shard": shard or None}))
     finally:
         ray.shutdown()
 
