@@ -23,7 +23,7 @@ from slmsql import configs
 from slmsql.configs import StudyRunConfig
 from slmsql.errors import DataError
 from slmsql.stages import study as stage
-from slmsql.studies import cells, diagnosis, records, spec
+from slmsql.studies import cells, diagnosis, dispatch, leases, records, spec
 
 YAML = """\
 question: Does it work?
@@ -76,7 +76,9 @@ def fake_records(study, fingerprint="f" * 64, code="c0de", cells=None):
 
 
 def snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file under `folder` but the leases' locks (studies/leases.py: who runs what, not a result)."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and leases.FOLDER not in p.parts}
 
 
 def test_the_declaration_reads_and_expands_the_family(folder):
@@ -268,7 +270,8 @@ def test_a_record_is_written_once(folder):
     rec = records.make(s, "a-seed0", config=s.cell_config(s.cells()[0]), start={"fingerprint": "f" * 64},
                        code_version="c0de", results={"dev": {}}, metrics={"x": 1}, runs={}, arm="a", seed=0)
     first = records.write(s, rec).read_bytes()
-    records.write(s, {**rec, "metrics": {"x": 2}})  # a retried task finishing too: the first record stands
+    with pytest.raises(records.Lost, match="written by another run first"):  # said, not "recorded"
+        records.write(s, {**rec, "metrics": {"x": 2}})  # a second finisher: the first record stands
     assert records.path_of(s, "a-seed0").read_bytes() == first
     assert not list(s.records.glob(".*.tmp"))
 
@@ -742,3 +745,118 @@ def test_the_report_says_when_cells_of_different_float_paths_pool(folder):
     assert rep["float_paths"] == 2
     assert "2 float path(s), 1 code version(s). Cells from different float paths pool" in (
         folder / "report.md").read_text()
+
+
+def test_arms_that_differ_only_in_case_are_refused(folder):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace("  b: {learning_rate: 3.0e-4}", "  A: {learning_rate: 3.0e-4}")
+                    .replace("{arm: b, against: a}", "{arm: A, against: a}"))
+    with pytest.raises(DataError, match="differs from arm 'a' only in case") as e:
+        spec.load(folder)
+    assert e.value.field == "arms.A"
+
+
+RACER = """
+import sys, time
+from pathlib import Path
+from slmsql.studies import leases, records, spec
+what, folder, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+if what == "lease":
+    try:
+        with leases.lease(folder, "a-seed0"):
+            print("got", flush=True)
+            while not go.exists():
+                time.sleep(0.05)
+    except leases.Busy as e:
+        print("busy:", e, flush=True)
+else:
+    s = spec.load(folder)
+    rec = records.make(s, "a-seed0", config=s.cell_config(s.cells()[0]), start={"fingerprint": "f" * 64},
+                       code_version="c0de", results={"dev": {}}, metrics={"by": what}, runs={}, arm="a", seed=0)
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+    try:
+        records.write(s, rec)
+        print("won", flush=True)
+    except records.Lost as e:
+        print("lost:", e, flush=True)
+"""
+
+
+def racer(what, folder, go):
+    return subprocess.Popen([sys.executable, "-c", RACER, what, str(folder), str(go)], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_processes_racing_for_a_cell_one_holds_its_lease_until_it_ends(folder, tmp_path):
+    """A cell's lease is held by one process; another is refused naming its holder; a holder killed with SIGKILL
+    leaves no stale lease (the system drops the lock with the process)."""
+    go = tmp_path / "go"
+    first = racer("lease", folder, go)
+    assert first.stdout.readline() == "got\n"
+    second = racer("lease", folder, go)
+    out = second.communicate(timeout=120)[0]
+    assert out.startswith("busy: cell a-seed0 is being run by another process") and f"pid {first.pid}" in out
+    first.kill()
+    first.wait()
+    third = racer("lease", folder, go)
+    assert third.stdout.readline() == "got\n"
+    go.touch()
+    assert third.wait(timeout=120) == 0
+
+
+def test_two_processes_writing_one_record_one_wins_and_the_other_is_told(folder, tmp_path):
+    s = spec.load(folder)
+    go = tmp_path / "go"
+    procs = [racer(f"writer{i}", folder, go) for i in (1, 2)]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+    go.touch()
+    outs = sorted(p.communicate(timeout=120)[0] for p in procs)
+    assert outs[0].startswith("lost: ") and "written by another run first" in outs[0] and outs[1] == "won\n"
+    winner = json.loads(records.path_of(s, "a-seed0").read_text())["metrics"]["by"]
+    assert winner in ("writer1", "writer2") and not list(s.records.glob(".*.tmp"))
+
+
+def test_a_cell_whose_lease_another_process_holds_is_skipped_here(folder, tmp_path, monkeypatch):
+    """`study run` here: a cell another run holds is not trained, and said; the others are recorded."""
+    s = spec.load(folder)
+    fake_records(s, cells=[])
+    trained = []
+
+    def cell(study, steps, c, st):
+        trained.append(c.id)
+        return records.make(study, c.id, config=study.cell_config(c), start={"fingerprint": "f" * 64},
+                            code_version="c0de", results={"dev": {}}, metrics={}, runs={}, arm=c.arm, seed=c.seed)
+
+    monkeypatch.setattr(cells, "cell", cell)
+    go = tmp_path / "go"
+    holder = racer("lease", folder, go)  # holds a-seed0
+    assert holder.stdout.readline() == "got\n"
+    said = []
+    dispatch.here(s, s.cells(), None, None, lambda c, path, why="": said.append((c.id, path, why)), shard="1/1")
+    go.touch()
+    holder.wait(timeout=120)
+    assert trained == ["a-seed1", "b-seed0", "b-seed1"]
+    assert said[0][:2] == ("a-seed0", None) and "is being run by another process" in said[0][2]
+    assert [x[1] for x in said[1:]] == [records.path_of(s, c) for c in trained]
+    assert json.loads(records.path_of(s, "b-seed1").read_text())["shard"] == "1/1"
+
+
+def test_a_retry_kills_its_previous_attempts_group_only_on_the_machine_and_boot_it_ran_on(tmp_path):
+    """The group a dead worker left (its parent gone, as here: started by a process that exited)."""
+    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+             "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+             "print(p.pid)")
+    pgid = int(subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, check=True).stdout)
+    try:
+        pgid_file = tmp_path / "attempt.pgid"
+        pgid_file.write_text(json.dumps({"pgid": pgid, **leases.me(), "boot_id": "another boot"}))
+        dispatch._kill_group(pgid_file)
+        assert dispatch._alive(pgid)  # a pid from another boot names nothing here: left alone
+        pgid_file.write_text(json.dumps({"pgid": pgid, **leases.me()}))
+        dispatch._kill_group(pgid_file)  # returns once the group is gone (at most a zombie left to its reaper)
+        assert not dispatch._alive(pgid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, 9)

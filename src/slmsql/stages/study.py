@@ -15,7 +15,7 @@ from pathlib import Path
 
 from slmsql.configs import StudyReportConfig, StudyRunConfig
 from slmsql.errors import DataError
-from slmsql.studies import cells, dispatch, records, spec
+from slmsql.studies import cells, dispatch, leases, records, spec
 from slmsql.workflow.steps import code_version
 
 log = logging.getLogger(__name__)
@@ -66,15 +66,22 @@ def run(cfg: StudyRunConfig) -> dict:
           f"{len(work)} cell(s){' and the start' if start is None else ''}", flush=True)
     workdir = cfg.output_dir or str(Path("outputs") / "studies" / study.name)
     s = cells.steps(study, workdir, cfg.reuse)
-    st = cells.start(study, s, start)
-    finished = []
+    with leases.lease(study.folder, records.START, wait=True):  # one run makes (and pins) the start; the others
+        if start is None:                                         # wait for it and take it
+            start, _ = records.read(study)
+        st = cells.start(study, s, start)
+    finished, passed = [], []
 
-    def progress(c: spec.Cell, path: Path) -> None:
+    def progress(c: spec.Cell, path: Path | None, why: str = "") -> None:
+        if path is None:  # not run or not recorded here: another run has it, or it failed
+            passed.append(c.id)
+            print(f"cell {c.id} not recorded by this run: {why}", flush=True)
+            return
         finished.append(c.id)
         print(f"[{len(finished)}/{len(work)}] cell {c.id} recorded: {path}", flush=True)
 
     if cfg.ray_address:
-        dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress, cfg.shard)
+        dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress, cfg.shard, cfg.reuse)
     else:
         dispatch.here(study, work, st, s, progress, cfg.shard)
     start, done = records.read(study)

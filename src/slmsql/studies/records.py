@@ -21,7 +21,7 @@ from pathlib import Path
 
 from slmsql import configs
 from slmsql.configs import EvaluateConfig, GRPOStageConfig
-from slmsql.errors import DataError
+from slmsql.errors import DataError, SlmsqlError
 from slmsql.studies import binding, diagnosis
 from slmsql.studies.spec import Cell, Study
 
@@ -85,9 +85,14 @@ def path_of(study: Study, cell: str) -> Path:
     return study.records / f"{cell}.json"
 
 
+class Lost(SlmsqlError):
+    """Another run wrote this record first: this one's result is not recorded."""
+
+
 def write(study: Study, record: dict) -> Path:
-    """Write a record whole or not at all (a temporary file renamed over nothing: an existing record is never
-    replaced, so a cell finished twice, say by a retried task, counts once)."""
+    """Write a record whole or not at all (a temporary file linked to its name, which fails if the name exists:
+    an existing record is never replaced, so a cell finished twice counts once). The run that finds the record
+    there loses: Lost says so, for the caller to report (not "recorded")."""
     path = path_of(study, record["cell"])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{record['cell']}.", suffix=".tmp")
@@ -100,7 +105,8 @@ def write(study: Study, record: dict) -> Path:
         os.chmod(tmp, 0o644)  # a file to commit and share, not mkstemp's private 0600
         os.link(tmp, path)  # fails if the record exists: first writer wins
     except FileExistsError:
-        pass
+        raise Lost(f"{path}: written by another run first; this run's result for {record['cell']} is not "
+                   "recorded") from None
     finally:
         os.unlink(tmp)
     return path

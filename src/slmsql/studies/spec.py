@@ -273,9 +273,12 @@ def load(folder, _via: tuple = ()) -> Study:
     arms = r.mapping(doc["arms"], ("arms",))
     if not arms:
         r.fail(("arms",), "declare at least one arm")
-    for name in arms:
+    for i, name in enumerate(arms):
         if not NAME.match(str(name)):
             r.fail(("arms", str(name)), "an arm's name is letters, digits, '.', '_' or '-'")
+        twin = next((a for a in list(arms)[:i] if str(a).casefold() == str(name).casefold()), None)
+        if twin is not None:  # one record file for both on a case-insensitive file system (macOS, Windows)
+            r.fail(("arms", str(name)), f"differs from arm {twin!r} only in case: their records would collide")
     seeds = doc["seeds"]
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         r.fail(("seeds",), "expected a list of whole numbers, e.g. [0, 1, 2]")
