@@ -22,10 +22,16 @@ from slmsql.studies.spec import BAND, Study
 KEY = "declaration"
 
 
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def tree_sha256(folder) -> str:
     """One hash of a folder's contents: each file's path inside it and its bytes (the databases a study reads)."""
-    from slmsql.studies.records import sha256_file
-
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     return hashlib.sha256("".join(f"{p.relative_to(folder).as_posix()}\0{sha256_file(p)}\n"
@@ -44,7 +50,7 @@ def normalised(study: Study, recorded: dict | None = None) -> dict:
 
     def sha(path: str, folder: bool, was: dict | None) -> str | None:
         if Path(path).is_dir() if folder else Path(path).is_file():
-            return tree_sha256(path) if folder else _file_sha(path)
+            return tree_sha256(path) if folder else sha256_file(path)
         was = was or {}
         return was.get("sha256") if was.get("path") == path else None
 
@@ -59,12 +65,6 @@ def normalised(study: Study, recorded: dict | None = None) -> dict:
     norm = {"alpha": study.alpha, "comparisons": study.comparisons, "eval_sets": sets,
             "db_root": {"path": study.db_root, "sha256": sha(study.db_root, True, old.get("db_root"))}}
     return {**norm, "sha256": _digest(norm)}
-
-
-def _file_sha(path) -> str:
-    from slmsql.studies.records import sha256_file
-
-    return sha256_file(path)
 
 
 def _changes(want, got, prefix="") -> list[str]:

@@ -23,19 +23,12 @@ from slmsql import configs
 from slmsql.configs import EvaluateConfig, GRPOStageConfig
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.studies import binding, diagnosis
+from slmsql.studies.binding import sha256_file  # noqa: F401  (cells.inputs reads files with it too)
 from slmsql.studies.spec import Cell, Study
 
 SCHEMA = "slmsql.study-record/1"
 START = "start"
 WEIGHTS = ("*.safetensors", "*.bin")  # a policy folder's weights: a LoRA adapter's or a whole model's
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fingerprint(policy, band) -> dict:
