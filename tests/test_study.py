@@ -597,7 +597,8 @@ def test_the_transfer_studys_held_out_sets_share_nothing_with_its_band(tmp_path)
 
 def amend(folder: Path, digest: str, reason="the family narrowed", date="2026-12-05") -> None:
     path = folder / "study.yaml"
-    path.write_text(path.read_text() + f"amendments:\n  - {{declaration: '{digest}', reason: {reason}, date: {date}}}\n")
+    path.write_text(path.read_text()
+                    + f"amendments:\n  - {{declaration: '{digest}', reason: {reason}, date: {date}}}\n")
 
 
 @pytest.mark.parametrize("change, names", [

@@ -6,8 +6,9 @@ that process holds the cell's lease (studies/leases.py) while it lives. A worker
 its node lost) leaves that group running, so the task's retry kills the group its previous attempt recorded
 (`attempt.pgid`: the group, its host and boot id; removed when the attempt ends) when it ran on this machine; an
 attempt elsewhere that may still be alive keeps its lease, and the retry fails rather than train beside it. A cell
-is never trained twice at once, and no step of a dead attempt is left behind. The workers reach the study folder, the start and the outputs by the same paths
-as this process (one machine, or a shared file system: docs/stages/study.md), and track into the same MLflow store.
+is never trained twice at once, and no step of a dead attempt is left behind. The workers reach the study folder,
+the start and the outputs by the same paths as this process (one machine, or a shared file system:
+docs/stages/study.md), and track into the same MLflow store.
 """
 
 from __future__ import annotations

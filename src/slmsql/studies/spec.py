@@ -263,7 +263,8 @@ def load(folder, _via: tuple = ()) -> Study:
             r.fail(("start", "from"), f"expected another study's folder (holding {FILE}), got {other}")
         chain = (*_via, folder.resolve())
         if other.resolve() in chain:
-            r.fail(("start", "from"), "a cycle of start.from: " + " -> ".join(str(f) for f in (*chain, other.resolve())))
+            r.fail(("start", "from"), "a cycle of start.from: "
+                                      + " -> ".join(str(f) for f in (*chain, other.resolve())))
         start = {"model": load(other, chain).model, "from": str(other)}
     elif not start.get("model"):
         r.fail(("start",), "give the start's base model: start.model (a Hub id or a path)")
@@ -280,7 +281,8 @@ def load(folder, _via: tuple = ()) -> Study:
         if twin is not None:  # one record file for both on a case-insensitive file system (macOS, Windows)
             r.fail(("arms", str(name)), f"differs from arm {twin!r} only in case: their records would collide")
     seeds = doc["seeds"]
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    whole = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731  (YAML's true is an int in Python)
+    if not isinstance(seeds, list) or not seeds or not all(whole(s) for s in seeds):
         r.fail(("seeds",), "expected a list of whole numbers, e.g. [0, 1, 2]")
     for i, s in enumerate(seeds):
         if s in seeds[:i]:
@@ -300,7 +302,8 @@ def load(folder, _via: tuple = ()) -> Study:
         comparisons=_comparisons(r, doc.get("comparisons"), list(arms), [es.name for es in sets]),
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
-        continue_with=_continue_with(r, doc.get("continue_with")), amendments=_amendments(r, doc.get("amendments")))
+        continue_with=_continue_with(r, doc.get("continue_with")),
+        amendments=_amendments(r, doc.get("amendments")))
     if study.start_from and "band" in doc:
         r.fail(("band",), "a start taken from another study (start.from) comes with that study's band")
     if not 0 < study.alpha < 1:
