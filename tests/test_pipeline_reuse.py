@@ -249,3 +249,28 @@ def test_an_unfinished_step_inside_the_project_is_found_from_any_folder(tmp_path
         json.dumps({"identity": {}, "run_id": run.info.run_id}))
     assert steps.unfinished("grpo", params).info.run_id == run.info.run_id
     assert steps.unfinished("grpo", {**params, "max_steps": 7}) is None  # other parameters: not its work
+
+
+def test_an_unfinished_step_is_continued_only_by_its_code_and_not_with_reuse_off(tmp_path, monkeypatch, caplog):
+    """Half a step's work computed by other code would be finished by this code: started anew, and said. With
+    reuse off, nothing made before is taken: started anew too."""
+    caplog.set_level("INFO", logger="slmsql.workflow.steps")
+    root = tmp_path / "project"
+    root.mkdir()
+    shutil.copy(workflow.ROOT / "MLproject", root)
+    monkeypatch.setattr(workflow, "ROOT", root)
+    client = mlflow.MlflowClient()
+    experiment = client.create_experiment("e")
+    steps = workflow.Steps(experiment, output_dir=root / "outputs", experiment="e")
+    params = steps.params("grpo", "grpo", {"max_steps": 6})
+    run = steps._create("grpo", "grpo", {**params, "overwrite": "true"}, {})  # tagged with this code's version
+    (root / "outputs" / "grpo.partial").mkdir(parents=True)
+    (root / "outputs" / "grpo.partial" / "resume_state.json").write_text(
+        json.dumps({"identity": {}, "run_id": run.info.run_id}))
+    assert steps.unfinished("grpo", params).info.run_id == run.info.run_id
+    assert workflow.Steps(experiment, output_dir=root / "outputs", experiment="e",
+                          reuse=False).unfinished("grpo", params) is None
+    assert "not continued (reuse is off)" in caplog.text
+    client.set_tag(run.info.run_id, "slmsql.code_version", "0ldc0de0ldc0")
+    assert steps.unfinished("grpo", params) is None
+    assert f"made by code 0ldc0de0ldc0, not this code ({steps.version}): not continued" in caplog.text

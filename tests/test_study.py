@@ -24,7 +24,7 @@ from slmsql import configs
 from slmsql.configs import StudyRunConfig
 from slmsql.errors import DataError
 from slmsql.stages import study as stage
-from slmsql.studies import cells, diagnosis, records, spec
+from slmsql.studies import cells, diagnosis, dispatch, leases, records, spec
 
 YAML = """\
 question: Does it work?
@@ -76,7 +76,9 @@ def fake_records(study, fingerprint="f" * 64, code="c0de", cells=None):
 
 
 def snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file under `folder` but the leases' locks (studies/leases.py: who runs what, not a result)."""
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and leases.FOLDER not in p.parts}
 
 
 def test_the_declaration_reads_and_expands_the_family(folder):
@@ -240,10 +242,20 @@ def test_shards_split_the_declared_cells_and_run_only_what_is_missing(folder):
     s = spec.load(folder)
     shares = [stage.todo(s, {}, StudyRunConfig(study=str(folder), shard=f"{k}/3")) for k in (1, 2, 3)]
     ids = [[c.id for c in share] for share in shares]
-    assert ids == [["a-seed0", "b-seed1"], ["a-seed1"], ["b-seed0"]]
-    done = {"a-seed0": {}}
-    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder), shard="1/3"))] == ["b-seed1"]
-    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder)))] == ["a-seed1", "b-seed0",
+    assert sorted(sum(ids, [])) == sorted(c.id for c in s.cells())  # each cell in exactly one share
+    # a cell's share is a hash of its id alone (sha256, its first 12 hex digits, mod N, plus 1)
+    assert ids == [["a-seed0"], ["a-seed1", "b-seed0", "b-seed1"], []]
+    path = folder / "study.yaml"  # an arm added before the others: no declared cell moves to another share
+    path.write_text(path.read_text().replace("arms:\n", "arms:\n  c: {learning_rate: 1.0e-4}\n"))
+    grown = spec.load(folder)
+    assert [c.id for c in grown.cells()][:2] == ["c-seed0", "c-seed1"]
+    for k in (1, 2, 3):
+        now = [c.id for c in stage.todo(grown, {}, StudyRunConfig(study=str(folder), shard=f"{k}/3"))]
+        assert [c for c in now if not c.startswith("c-")] == ids[k - 1]
+    done = {"a-seed1": {}}
+    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder), shard="2/3"))] == ["b-seed0",
+                                                                                                 "b-seed1"]
+    assert [c.id for c in stage.todo(s, done, StudyRunConfig(study=str(folder)))] == ["a-seed0", "b-seed0",
                                                                                       "b-seed1"]
     with pytest.raises(DataError, match="no such cell"):
         stage.todo(s, done, StudyRunConfig(study=str(folder), cells=["a-seed7"]))
@@ -258,7 +270,8 @@ def test_a_record_is_written_once(folder):
     rec = records.make(s, "a-seed0", config=s.cell_config(s.cells()[0]), start={"fingerprint": "f" * 64},
                        code_version="c0de", results={"dev": {}}, metrics={"x": 1}, runs={}, arm="a", seed=0)
     first = records.write(s, rec).read_bytes()
-    records.write(s, {**rec, "metrics": {"x": 2}})  # a retried task finishing too: the first record stands
+    with pytest.raises(records.Lost, match="written by another run first"):  # said, not "recorded"
+        records.write(s, {**rec, "metrics": {"x": 2}})  # a second finisher: the first record stands
     assert records.path_of(s, "a-seed0").read_bytes() == first
     assert not list(s.records.glob(".*.tmp"))
 
@@ -568,3 +581,272 @@ def test_the_transfer_studys_held_out_sets_share_nothing_with_its_band(tmp_path)
     assert not seen & ({(r["db_id"], r["question"]) for r in dev} | {(r["db_id"], r["sql"]) for r in dev})
     assert not {r["db_id"] for r in band + sft} & {r["db_id"] for r in cross}
     assert len({r["db_id"] for r in cross}) == 45 and len({r["db_id"] for r in dev}) > 300
+
+
+def amend(folder: Path, digest: str, reason="the family narrowed", date="2026-12-05") -> None:
+    path = folder / "study.yaml"
+    path.write_text(path.read_text()
+                    + f"amendments:\n  - {{declaration: '{digest}', reason: {reason}, date: {date}}}\n")
+
+
+@pytest.mark.parametrize("change, names", [
+    ("family", "comparisons"), ("alpha", "alpha"), ("eval file", "eval_sets.dev.data.sha256"),
+    ("eval path", "eval_sets.dev.data.path"), ("databases", "db_root.sha256, eval_sets.dev.db_root.sha256")])
+def test_a_declaration_changed_after_its_records_is_refused_by_name_until_amended(folder, tmp_path, change, names):
+    """The Holm family, alpha, an eval set's file and the databases are bound into the start's record: a change
+    after it is refused, naming what changed, until an amendment accepts the new declaration's hash; the report
+    then lists the amendment."""
+    s = spec.load(folder)
+    fake_records(s)
+    path = folder / "study.yaml"
+    text = path.read_text()
+    if change == "family":
+        path.write_text(text.replace("  - {arm: b, against: a}\n", ""))
+    elif change == "alpha":
+        path.write_text(text + "alpha: 0.1\n")
+    elif change == "eval file":
+        (tmp_path / "dev.jsonl").write_text('{"id": "q9", "db_id": "shop", "question": "y", "sql": "SELECT 2"}\n')
+    elif change == "eval path":
+        shutil.copy(tmp_path / "dev.jsonl", tmp_path / "same.jsonl")
+        path.write_text(text.replace(f"name: dev, data: {tmp_path / 'dev.jsonl'}",
+                                     f"name: dev, data: {tmp_path / 'same.jsonl'}"))
+    elif change == "databases":
+        (Path(s.db_root) / "shop" / "notes.txt").write_text("a file added to the databases")
+    with pytest.raises(DataError, match="differs from the declaration its records were made under") as e:
+        records.read(spec.load(folder))
+    assert e.value.path == records.path_of(s, records.START) and e.value.field == "declaration"
+    assert re.search(rf": {re.escape(names)}\. ", str(e.value)), str(e.value)
+    digest = re.search(r"declaration: '([0-9a-f]{16})'", str(e.value))[1]
+    amend(folder, "0" * 16)  # an amendment of another declaration accepts nothing
+    with pytest.raises(DataError, match="differs from the declaration"):
+        records.read(spec.load(folder))
+    path.write_text(path.read_text().replace("0" * 16, digest))
+    start, cells = records.read(spec.load(folder))
+    assert len(cells) == 4
+    rep = stage.write_report(spec.load(folder), start, cells)
+    assert rep["amendments"] == [{"declaration": digest, "reason": "the family narrowed", "date": "2026-12-05"}]
+    assert f"- 2026-12-05: declaration `{digest}`: the family narrowed" in (folder / "report.md").read_text()
+
+
+def test_an_unchanged_declaration_reads_and_a_changed_one_is_refused_from_the_command_line(folder, tmp_path):
+    s = spec.load(folder)
+    fake_records(s)
+    assert records.read(spec.load(folder))[0]["declaration"]["sha256"] == records.read(s)[0]["declaration"]["sha256"]
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace("  - {arm: b, against: a}\n", ""))
+    before = snapshot(tmp_path)
+    out = cli("report", str(folder.resolve()), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"{records.path_of(s, records.START)}: field 'declaration':" in out.stderr
+    assert "comparisons" in out.stderr and "Traceback" not in out.stderr
+    assert snapshot(tmp_path) == before  # no report written
+
+
+def test_a_start_recorded_before_the_binding_reads_unbound_and_is_bound_once(folder):
+    """A record from before the binding (the committed studies') reads as it is, and its report says the
+    declaration is unbound; `records.bind` (what `study run` does first) adds the declaration, once, and from then
+    on a change is refused."""
+    s = spec.load(folder)
+    fake_records(s)
+    path = records.path_of(s, records.START)
+    old = json.loads(path.read_text())
+    del old["declaration"]
+    path.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    start, cells = records.read(s)
+    rep = stage.write_report(s, start, cells)
+    assert rep["declaration"] is None and "not bound to the records" in (folder / "report.md").read_text()
+    bound = records.bind(s, start)
+    assert {k: v for k, v in bound.items() if k != "declaration"} == old
+    assert json.loads(path.read_text()) == bound
+    assert records.bind(s, records.read(s)[0]) == bound  # once
+    (folder / "study.yaml").write_text((folder / "study.yaml").read_text() + "alpha: 0.01\n")
+    with pytest.raises(DataError, match=r"made under: alpha\."):
+        records.read(spec.load(folder))
+
+
+def test_cells_and_shard_together_are_refused_from_the_command_line(folder, tmp_path):
+    out = cli("run", str(folder), "--shard", "1/2", "--cells", "a-seed0", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "field 'cells': give --cells or --shard, not both" in out.stderr and "Traceback" not in out.stderr
+    assert not (folder / "records").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("key, value, field, says", [
+    ("start", "[]", "start", "is not of type 'object'"), ("config", '"x"', "config", "is not of type 'object'"),
+    ("start", "{}", "start.fingerprint", "key missing"), ("results", '{"dev": {"q0": [1, "h"]}}', "results.dev.q0.0",
+                                                           "is not of type 'boolean'"),
+    ("seed", "true", "seed", "is not of type 'integer', 'null'"), ("shard", '"half"', "shard", "does not match")])
+def test_a_record_of_the_wrong_shape_is_refused_naming_file_and_field(folder, key, value, field, says):
+    s = spec.load(folder)
+    fake_records(s)
+    path = records.path_of(s, "a-seed1")
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, key: json.loads(value)}))
+    with pytest.raises(DataError, match=re.escape(says)) as e:
+        records.read(s)
+    assert (e.value.path, e.value.field) == (path, field)
+
+
+def test_seeds_must_be_whole_numbers_not_booleans(folder):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace("seeds: [0, 1]", "seeds: [true]"))
+    with pytest.raises(DataError, match="expected a list of whole numbers") as e:
+        spec.load(folder)
+    assert e.value.field == "seeds"
+
+
+def test_a_cycle_of_start_from_is_refused_by_name(tmp_path, folder):
+    one, two = tmp_path / "studies" / "one", tmp_path / "studies" / "two"
+    for me, other in ((one, two), (two, one)):
+        me.mkdir(parents=True)
+        (me / "study.yaml").write_text((folder / "study.yaml").read_text().split("start:")[0]
+                                       + f"start: {{from: {other}}}\narms: {{a: {{}}}}\nseeds: [0]\n"
+                                       + "eval_sets: [{name: dev, data: band}]\n")
+    with pytest.raises(DataError, match="a cycle of start.from: .*one -> .*two -> .*one") as e:
+        spec.load(one)
+    assert e.value.field == "start.from"
+
+
+def test_a_report_is_made_from_any_folder_and_from_a_renamed_study_folder(tmp_path):
+    """`study report` of a committed study (recipes and start.from relative to the project) from a folder that is
+    not the project's, and of a copy of it under another name: the same numbers."""
+    from slmsql.workflow.steps import ROOT
+
+    copy = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(ROOT / "studies" / "toy-transfer-200", copy)  # start.from: studies/toy-study
+    out = cli("report", str(copy), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    from slmsql.studies import report as reporting
+
+    original = spec.load(ROOT / "studies" / "toy-transfer-200")
+    start, done = records.read(original)
+    theirs = reporting.build(original.as_dict(), start, list(done.values()))  # in the project, under its own name
+    mine = json.loads((copy / "report.json").read_text())
+    assert mine["rows"] == json.loads(json.dumps(theirs["rows"])) and mine["study"] == "renamed"
+
+
+def test_the_report_says_when_cells_of_different_float_paths_pool(folder):
+    s = spec.load(folder)
+    fake_records(s)
+    path = records.path_of(s, "b-seed1")
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**rec, "float_path": {**rec["float_path"], "threads": "7"}}))
+    rep = stage.write_report(s, *records.read(s))
+    assert rep["float_paths"] == 2
+    assert "2 float path(s), 1 code version(s). Cells from different float paths pool" in (
+        folder / "report.md").read_text()
+
+
+def test_arms_that_differ_only_in_case_are_refused(folder):
+    path = folder / "study.yaml"
+    path.write_text(path.read_text().replace("  b: {learning_rate: 3.0e-4}", "  A: {learning_rate: 3.0e-4}")
+                    .replace("{arm: b, against: a}", "{arm: A, against: a}"))
+    with pytest.raises(DataError, match="differs from arm 'a' only in case") as e:
+        spec.load(folder)
+    assert e.value.field == "arms.A"
+
+
+RACER = """
+import sys, time
+from pathlib import Path
+from slmsql.studies import leases, records, spec
+what, folder, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+if what == "lease":
+    try:
+        with leases.lease(folder, "a-seed0"):
+            print("got", flush=True)
+            while not go.exists():
+                time.sleep(0.05)
+    except leases.Busy as e:
+        print("busy:", e, flush=True)
+else:
+    s = spec.load(folder)
+    rec = records.make(s, "a-seed0", config=s.cell_config(s.cells()[0]), start={"fingerprint": "f" * 64},
+                       code_version="c0de", results={"dev": {}}, metrics={"by": what}, runs={}, arm="a", seed=0)
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+    try:
+        records.write(s, rec)
+        print("won", flush=True)
+    except records.Lost as e:
+        print("lost:", e, flush=True)
+"""
+
+
+def racer(what, folder, go):
+    return subprocess.Popen([sys.executable, "-c", RACER, what, str(folder), str(go)], stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_processes_racing_for_a_cell_one_holds_its_lease_until_it_ends(folder, tmp_path):
+    """A cell's lease is held by one process; another is refused naming its holder; a holder killed with SIGKILL
+    leaves no stale lease (the system drops the lock with the process)."""
+    go = tmp_path / "go"
+    first = racer("lease", folder, go)
+    assert first.stdout.readline() == "got\n"
+    second = racer("lease", folder, go)
+    out = second.communicate(timeout=120)[0]
+    assert out.startswith("busy: cell a-seed0 is being run by another process") and f"pid {first.pid}" in out
+    first.kill()
+    first.wait()
+    third = racer("lease", folder, go)
+    assert third.stdout.readline() == "got\n"
+    go.touch()
+    assert third.wait(timeout=120) == 0
+
+
+def test_two_processes_writing_one_record_one_wins_and_the_other_is_told(folder, tmp_path):
+    s = spec.load(folder)
+    go = tmp_path / "go"
+    procs = [racer(f"writer{i}", folder, go) for i in (1, 2)]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+    go.touch()
+    outs = sorted(p.communicate(timeout=120)[0] for p in procs)
+    assert outs[0].startswith("lost: ") and "written by another run first" in outs[0] and outs[1] == "won\n"
+    winner = json.loads(records.path_of(s, "a-seed0").read_text())["metrics"]["by"]
+    assert winner in ("writer1", "writer2") and not list(s.records.glob(".*.tmp"))
+
+
+def test_a_cell_whose_lease_another_process_holds_is_skipped_here(folder, tmp_path, monkeypatch):
+    """`study run` here: a cell another run holds is not trained, and said; the others are recorded."""
+    s = spec.load(folder)
+    fake_records(s, cells=[])
+    trained = []
+
+    def cell(study, steps, c, st):
+        trained.append(c.id)
+        return records.make(study, c.id, config=study.cell_config(c), start={"fingerprint": "f" * 64},
+                            code_version="c0de", results={"dev": {}}, metrics={}, runs={}, arm=c.arm, seed=c.seed)
+
+    monkeypatch.setattr(cells, "cell", cell)
+    go = tmp_path / "go"
+    holder = racer("lease", folder, go)  # holds a-seed0
+    assert holder.stdout.readline() == "got\n"
+    said = []
+    dispatch.here(s, s.cells(), None, None, lambda c, path, why="": said.append((c.id, path, why)), shard="1/1")
+    go.touch()
+    holder.wait(timeout=120)
+    assert trained == ["a-seed1", "b-seed0", "b-seed1"]
+    assert said[0][:2] == ("a-seed0", None) and "is being run by another process" in said[0][2]
+    assert [x[1] for x in said[1:]] == [records.path_of(s, c) for c in trained]
+    assert json.loads(records.path_of(s, "b-seed1").read_text())["shard"] == "1/1"
+
+
+def test_a_retry_kills_its_previous_attempts_group_only_on_the_machine_and_boot_it_ran_on(tmp_path):
+    """The group a dead worker left (its parent gone, as here: started by a process that exited)."""
+    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+             "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+             "print(p.pid)")
+    pgid = int(subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, check=True).stdout)
+    try:
+        pgid_file = tmp_path / "attempt.pgid"
+        pgid_file.write_text(json.dumps({"pgid": pgid, **leases.me(), "boot_id": "another boot"}))
+        dispatch._kill_group(pgid_file)
+        assert dispatch._alive(pgid)  # a pid from another boot names nothing here: left alone
+        pgid_file.write_text(json.dumps({"pgid": pgid, **leases.me()}))
+        dispatch._kill_group(pgid_file)  # returns once the group is gone (at most a zombie left to its reaper)
+        assert not dispatch._alive(pgid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, 9)

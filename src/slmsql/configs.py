@@ -537,8 +537,9 @@ class StudyRunConfig:
     (GRPO, then evaluate on every eval set), writing one record per finished cell; then its report."""
 
     study: str = opt("", "The study folder (holding study.yaml).", required=True)
-    shard: str = opt("", "K/N: run only the K-th of N shares of the declared cells (cell i is in share i mod N + "
-                     "1), so N machines can split a study; each runs the missing cells of its share.")
+    shard: str = opt("", "K/N: run only the K-th of N shares of the declared cells (a cell is in share h mod N + "
+                     "1, h a hash of its id: adding an arm or a seed moves no other cell), so N machines can split "
+                     "a study; each runs the missing cells of its share and records K/N in them.")
     cells: list[str] = opt([], "Run only these cells (ids as in records/: ARM-seedS); 'start' makes the start "
                            "alone.")
     ray_address: str = opt("", "Send the cells to this Ray cluster (auto, HOST:PORT or ray://HOST:PORT) as tasks "
@@ -552,6 +553,8 @@ class StudyRunConfig:
         if self.shard and not re.fullmatch(r"[1-9][0-9]*/[1-9][0-9]*", self.shard) or (
                 self.shard and int(self.shard.split("/")[0]) > int(self.shard.split("/")[1])):
             raise DataError(f"expected K/N with 1 <= K <= N, got {self.shard!r}", "command line", field="shard")
+        if self.shard and self.cells:  # one would silently override the other
+            raise DataError("give --cells or --shard, not both", "command line", field="cells")
 
 
 @dataclass

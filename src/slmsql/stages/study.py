@@ -9,15 +9,22 @@ another with the records, runs only what has no record.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 from slmsql.configs import StudyReportConfig, StudyRunConfig
 from slmsql.errors import DataError
-from slmsql.studies import cells, dispatch, records, spec
+from slmsql.studies import cells, dispatch, leases, records, spec
 from slmsql.workflow.steps import code_version
 
 log = logging.getLogger(__name__)
+
+
+def share(cell: spec.Cell, n: int) -> int:
+    """The share (1..n) of --shard K/N a cell belongs to: from a stable hash of its id alone, so that a cell's
+    share does not move when arms or seeds are added (by position, every later cell's would)."""
+    return int(hashlib.sha256(cell.id.encode()).hexdigest()[:12], 16) % n + 1
 
 
 def todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[spec.Cell]:
@@ -31,7 +38,7 @@ def todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[spec.Cell]:
         declared = [c for c in declared if c.id in cfg.cells]
     elif cfg.shard:
         k, n = map(int, cfg.shard.split("/"))
-        declared = [c for i, c in enumerate(declared) if i % n == k - 1]
+        declared = [c for c in declared if share(c, n) == k]
     return [c for c in declared if c.id not in done]
 
 
@@ -47,6 +54,8 @@ def run(cfg: StudyRunConfig) -> dict:
     study = spec.load(cfg.study)
     spec.check_files(study)
     start, done = records.read(study)  # every record checked before anything runs
+    if start is not None:  # a start recorded before the declaration was bound to it: bound now (binding.py)
+        start = records.bind(study, start)
     work = todo(study, done, cfg)
     if start is not None and work and code_version() not in study.accepted_code(start["code_version"]):
         raise DataError(f"this code ({code_version()}) is not one the study accepts "
@@ -57,17 +66,24 @@ def run(cfg: StudyRunConfig) -> dict:
           f"{len(work)} cell(s){' and the start' if start is None else ''}", flush=True)
     workdir = cfg.output_dir or str(Path("outputs") / "studies" / study.name)
     s = cells.steps(study, workdir, cfg.reuse)
-    st = cells.start(study, s, start)
-    finished = []
+    with leases.lease(study.folder, records.START, wait=True):  # one run makes (and pins) the start; the others
+        if start is None:                                         # wait for it and take it
+            start, _ = records.read(study)
+        st = cells.start(study, s, start)
+    finished, passed = [], []
 
-    def progress(c: spec.Cell, path: Path) -> None:
+    def progress(c: spec.Cell, path: Path | None, why: str = "") -> None:
+        if path is None:  # not run or not recorded here: another run has it, or it failed
+            passed.append(c.id)
+            print(f"cell {c.id} not recorded by this run: {why}", flush=True)
+            return
         finished.append(c.id)
         print(f"[{len(finished)}/{len(work)}] cell {c.id} recorded: {path}", flush=True)
 
     if cfg.ray_address:
-        dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress)
+        dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress, cfg.shard, cfg.reuse)
     else:
-        dispatch.here(study, work, st, s, progress)
+        dispatch.here(study, work, st, s, progress, cfg.shard)
     start, done = records.read(study)
     if cfg.report:
         write_report(study, start, done)

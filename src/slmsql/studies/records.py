@@ -21,21 +21,14 @@ from pathlib import Path
 
 from slmsql import configs
 from slmsql.configs import EvaluateConfig, GRPOStageConfig
-from slmsql.errors import DataError
-from slmsql.studies import diagnosis
+from slmsql.errors import DataError, SlmsqlError
+from slmsql.studies import binding, diagnosis
+from slmsql.studies.binding import sha256_file  # noqa: F401  (cells.inputs reads files with it too)
 from slmsql.studies.spec import Cell, Study
 
 SCHEMA = "slmsql.study-record/1"
 START = "start"
 WEIGHTS = ("*.safetensors", "*.bin")  # a policy folder's weights: a LoRA adapter's or a whole model's
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fingerprint(policy, band) -> dict:
@@ -72,8 +65,10 @@ def results(rows) -> dict:
 
 def make(study: Study, cell: str, *, config: dict, start: dict, code_version: str, results: dict, metrics: dict,
          runs: dict, arm=None, seed=None, diagnosis: dict | None = None) -> dict:
-    """A record; a cell's carries its GRPO run's `diagnosis` (studies/diagnosis.py), the start's none."""
-    return {"schema": SCHEMA, "study": study.name, "cell": cell, "arm": arm, "seed": seed, "config": config,
+    """A record; a cell's carries its GRPO run's `diagnosis` (studies/diagnosis.py), the start's the declaration
+    it binds (studies/binding.py)."""
+    bound = {binding.KEY: binding.normalised(study)} if cell == START else {}
+    return {**bound, "schema": SCHEMA, "study": study.name, "cell": cell, "arm": arm, "seed": seed, "config": config,
             "start": start, "code_version": code_version, "float_path": float_path(), "results": results,
             "metrics": metrics, "mlflow": runs, **({"diagnosis": diagnosis} if diagnosis is not None else {}),
             "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -83,9 +78,14 @@ def path_of(study: Study, cell: str) -> Path:
     return study.records / f"{cell}.json"
 
 
+class Lost(SlmsqlError):
+    """Another run wrote this record first: this one's result is not recorded."""
+
+
 def write(study: Study, record: dict) -> Path:
-    """Write a record whole or not at all (a temporary file renamed over nothing: an existing record is never
-    replaced, so a cell finished twice, say by a retried task, counts once)."""
+    """Write a record whole or not at all (a temporary file linked to its name, which fails if the name exists:
+    an existing record is never replaced, so a cell finished twice counts once). The run that finds the record
+    there loses: Lost says so, for the caller to report (not "recorded")."""
     path = path_of(study, record["cell"])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{record['cell']}.", suffix=".tmp")
@@ -98,10 +98,48 @@ def write(study: Study, record: dict) -> Path:
         os.chmod(tmp, 0o644)  # a file to commit and share, not mkstemp's private 0600
         os.link(tmp, path)  # fails if the record exists: first writer wins
     except FileExistsError:
-        pass
+        raise Lost(f"{path}: written by another run first; this run's result for {record['cell']} is not "
+                   "recorded") from None
     finally:
         os.unlink(tmp)
     return path
+
+
+_OBJECT = {"type": "object"}
+# What a record holds, checked before any of it is read (a record is data a user may have edited or copied)
+RECORD = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+    "required": ["schema", "study", "cell", "config", "start", "code_version", "float_path", "results", "metrics"],
+    "properties": {
+        "schema": {"type": "string"}, "study": {"type": "string"}, "cell": {"type": "string"},
+        "arm": {"type": ["string", "null"]}, "seed": {"type": ["integer", "null"]},
+        "config": _OBJECT, "start": {"type": "object", "required": ["fingerprint"],
+                                    "properties": {"fingerprint": {"type": "string"}}},
+        "code_version": {"type": "string"}, "float_path": _OBJECT, "metrics": _OBJECT, "mlflow": _OBJECT,
+        "results": {"type": "object", "additionalProperties": {  # {eval set: {question id: [correct, sql hash]}}
+            "type": "object", "additionalProperties": {
+                "type": "array", "minItems": 2, "maxItems": 2,
+                "prefixItems": [{"type": "boolean"}, {"type": ["string", "null"]}]}}},
+        "diagnosis": _OBJECT,  # its figures: _check_diagnosis
+        "declaration": {"type": "object", "required": ["sha256"], "properties": {"sha256": {"type": "string"}}},
+        "shard": {"type": ["string", "null"], "pattern": "^[0-9]+/[0-9]+$"},
+        "finished_at": {"type": "string"}}}
+
+
+def _validate(rec, path: Path) -> None:
+    """`rec` against RECORD: the first error refused naming its field (a missing key: that key)."""
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(RECORD).iter_errors(rec))
+    if error is None:
+        return
+    where = [str(p) for p in error.absolute_path]
+    if error.validator == "required":
+        missing = next(k for k in error.validator_value if k not in error.instance)
+        raise DataError("corrupt record: key missing", path, field=".".join([*where, missing]))
+    if not isinstance(rec, dict):
+        raise DataError("corrupt record (not a JSON object)", path)
+    raise DataError(f"corrupt record: {error.message}", path, field=".".join(where) or None)
 
 
 def _read(path: Path, study: Study, cell: str) -> dict:
@@ -111,19 +149,10 @@ def _read(path: Path, study: Study, cell: str) -> dict:
         raise DataError(f"corrupt record (not UTF-8: {e.reason})", path) from None
     except json.JSONDecodeError as e:
         raise DataError(f"corrupt record (not JSON: {e.msg})", path, e.lineno) from None
-    if not isinstance(rec, dict):
-        raise DataError("corrupt record (not a JSON object)", path)
-    for key in ("schema", "study", "cell", "config", "start", "code_version", "float_path", "results", "metrics"):
-        if key not in rec:
-            raise DataError("corrupt record: key missing", path, field=key)
-    for key, want in (("schema", SCHEMA), ("study", study.name), ("cell", cell)):
+    _validate(rec, path)
+    for key, want in (("schema", SCHEMA), ("cell", cell)):
         if rec[key] != want:
             raise DataError(f"expected {want!r}, got {rec[key]!r}", path, field=key)
-    if not isinstance(rec["results"], dict) or not all(
-            isinstance(v, dict) and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], bool)
-                                        for x in v.values()) for v in rec["results"].values()):
-        raise DataError("corrupt record: expected {eval set: {question id: [correct, sql hash]}}", path,
-                        field="results")
     if "diagnosis" in rec:  # optional: records from before it have none, and the report says "not recorded"
         _check_diagnosis(rec["diagnosis"], path)
     return rec
@@ -173,9 +202,14 @@ def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
     start = None
     if path_of(study, START).is_file():
         start = _read(path_of(study, START), study, START)
+    # the study its records name: the start's (a folder may be renamed; its records keep the name they were made
+    # under), and every cell's the same
+    study_name = start["study"] if start is not None else study.name
+    if start is not None:
         if start["config"] != study.start_config():
             raise DataError(f"the start was made otherwise than study.yaml declares: "
                             f"{_differs(study.start_config(), start['config'])}", path_of(study, START), field="config")
+        binding.check(study, start, path_of(study, START))
     cells = {}
     for path in sorted(study.records.glob("*.json")) if study.records.is_dir() else []:
         name = path.stem
@@ -184,6 +218,9 @@ def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
         if name not in declared:
             raise DataError(f"a record for no declared cell (declared: {sorted(declared)})", path)
         rec = _read(path, study, name)
+        if rec["study"] != study_name:
+            raise DataError(f"expected {study_name!r} (the study its start's record names), got {rec['study']!r}",
+                            path, field="study")
         want = study.cell_config(declared[name])
         if (got := _with_new_defaults(rec["config"], want)) != want:
             raise DataError(f"config differs from the declaration: {_differs(want, got)}", path,
@@ -200,6 +237,19 @@ def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
                             f"in {study.path} with the reason (docs/stages/study.md)", path, field="code_version")
         cells[name] = rec
     return start, cells
+
+
+def bind(study: Study, start: dict) -> dict:
+    """A start record made before the declaration was bound to it, with the declaration as it is now added (once,
+    whole: its other keys as they were); any other record as it is (studies/binding.py)."""
+    if binding.KEY in start:
+        return start
+    rec = {**start, binding.KEY: binding.normalised(study)}
+    path = path_of(study, START)
+    tmp = path.with_name(f".{START}.bind.tmp")
+    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return rec
 
 
 def missing(study: Study, cells: dict) -> list[Cell]:

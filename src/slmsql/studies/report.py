@@ -63,6 +63,9 @@ def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
         "missing": missing,
         "start": None if start is None else {"fingerprint": (start.get("start") or {}).get("fingerprint"),
                                              "code_version": start.get("code_version")},
+        # the declaration's hash its start's record binds (None: no start record, or one from before the binding)
+        "declaration": ((start or {}).get("declaration") or {}).get("sha256"),
+        "amendments": list(study.get("amendments") or []),
         "eval_sets": [{"name": es, "n": None if ids[es] is None else len(ids[es]),
                        "ex_b": None if start is None else _ex([start["results"][es][q][0] for q in ids[es]])}
                       for es in study["eval_sets"]],
@@ -70,6 +73,9 @@ def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
         "diagnosis": [_diagnosis(arm, start, [r for r in got.values() if r["arm"] == arm], ids)
                       for arm in study["arms"]],
         "provenance": [_provenance(r) for r in ([start] if start is not None else []) + list(got.values())],
+        # how many machines' floats the pooled records come from (they pool: docs/stages/study.md "Float paths")
+        "float_paths": len({json.dumps(r.get("float_path") or {}, sort_keys=True)
+                            for r in ([start] if start is not None else []) + list(got.values())}),
     })
 
 
@@ -228,10 +234,16 @@ def markdown(report: dict) -> str:
     lines += ["**Missing records.**", ""]
     lines += [f"- `{c}` ({_where(c)})" for c in r["missing"]] or ["None: every declared cell and the start have "
                                                                    "their record."]
+    lines += ["", "**Amendments.**", ""]
+    lines += [f"- {a['date']}: declaration `{a['declaration']}`: {a['reason']}" for a in r["amendments"]] or [
+        "None: the declaration is the one its records were made under." if r["declaration"] else
+        "None declared; the declaration is not bound to the records (no start record, or one made before the "
+        "binding: `slmsql study run` binds it)."]
     lines += ["", "**Provenance.**", ""]
     if r["start"] is not None:
         lines += [f"Start: fingerprint `{r['start']['fingerprint']}` (its policy and band; every cell's record names "
-                  "the same).", ""]
+                  "the same)." + (f" Declaration: `{r['declaration']}` (its Holm family, alpha, eval sets' files and "
+                                  "databases; bound in the start's record)." if r["declaration"] else ""), ""]
     return "\n".join(lines + _provenance_table(r["provenance"]))
 
 
@@ -243,7 +255,9 @@ def _provenance_table(prov: list[dict]) -> list[str]:
     keys = list(dict.fromkeys(k for p in prov for k in p["float_path"]))
     paths = {json.dumps(p["float_path"], sort_keys=True) for p in prov}
     codes = {p["code_version"] for p in prov}
-    out = [f"{len(paths)} float path(s), {len(codes)} code version(s).", "",
+    pooled = (" Cells from different float paths pool: a float path decides near-ties, not what a cell was "
+              "trained and scored with (docs/stages/study.md \"Float paths\")." if len(paths) > 1 else "")
+    out = [f"{len(paths)} float path(s), {len(codes)} code version(s).{pooled}", "",
             "| cell | code version |" + "".join(f" {k} |" for k in keys), "|---|---|" + "---|" * len(keys)]
     for p in prov:  # no finishing times here (they are in report.json): the same results read the same
         out.append(f"| {p['cell']} | {p['code_version']} |" + "".join(f" {p['float_path'].get(k, '')} |" for k in keys))

@@ -19,6 +19,8 @@ before anything runs. The commit that adds the file is the study's pre-registrat
     plan: {...}    # the figures `slmsql plan` gave, copied into the report
     budget: {cell_minutes: 4, cpus_per_cell: 2, gpus_per_cell: 0}
     continue_with: [{code_version: abc123456789, reason: ...}]   # code accepted beside the start's
+    amendments: [{declaration: 0f1e2d3c4b5a, reason: ..., date: 2026-12-05}]   # a declaration changed after
+                                           #   the start's record, accepted by its hash (studies/binding.py)
 
 Each section's keys are the fields of its stage (`slmsql sft|filter|grpo|evaluate --help`), `recipe` stacks
 recipe files as `--recipe` does, and the fields the study sets itself (model, data, seed, output folders) are
@@ -50,7 +52,7 @@ SECTIONS = {
                                          "predictions", "alpha", "seed")),
 }
 TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "evaluate", "arms", "seeds",
-       "eval_sets", "comparisons", "alpha", "plan", "budget", "continue_with"}
+       "eval_sets", "comparisons", "alpha", "plan", "budget", "continue_with", "amendments"}
 BUDGET = {"cell_minutes": 0.0, "cpus_per_cell": 1.0, "gpus_per_cell": 0.0}
 BAND = "band"  # an eval set whose data is the start's band
 
@@ -96,6 +98,7 @@ class Study:
     plan: dict = field(default_factory=dict)
     budget: dict = field(default_factory=lambda: dict(BUDGET))
     continue_with: list[dict] = field(default_factory=list)
+    amendments: list[dict] = field(default_factory=list)  # {declaration: hash, reason, date}, in declared order
 
     @property
     def path(self) -> Path:
@@ -147,6 +150,7 @@ class Study:
         return {"name": self.name, "question": self.question, "title": self.title, "alpha": self.alpha,
                 "arms": list(self.arms), "seeds": self.seeds, "eval_sets": [es.name for es in self.eval_sets],
                 "comparisons": self.comparisons, "plan": self.plan, "budget": self.budget,
+                "amendments": self.amendments,
                 "cells": [{"cell": c.id, "arm": c.arm, "seed": c.seed} for c in self.cells()]}
 
 
@@ -199,8 +203,9 @@ class _Reader:
         for k, v in self.mapping(value, key).items():
             if k == "recipe":
                 paths = v if isinstance(v, list) else configs.recipe_paths(str(v))
+                paths = [found(p) for p in paths]
                 for p in paths:
-                    if not Path(p).is_file():
+                    if not p.is_file():
                         self.fail((*key, k), f"recipe not found: {p}")
                     configs.recipe_values(cls, p)  # its own errors name its file, line and field
                 out[k] = [str(p) for p in paths]
@@ -221,8 +226,18 @@ class _Reader:
         return out
 
 
-def load(folder) -> Study:
-    """The study in `folder`, every key checked; files are checked by `check_files` before a run."""
+def found(path) -> Path:
+    """A recipe or a study folder a declaration names, as this process finds it: relative to the folder it runs
+    in, else to the project's (studies/ and recipes/ live there), so that a report is made from any folder."""
+    from slmsql.workflow.steps import ROOT
+
+    path = Path(path)
+    return path if path.is_absolute() or path.exists() or not (ROOT / path).exists() else ROOT / path
+
+
+def load(folder, _via: tuple = ()) -> Study:
+    """The study in `folder`, every key checked; files are checked by `check_files` before a run. (`_via`: the
+    studies whose start.from led here, so that a cycle is refused by name.)"""
     folder = Path(folder)
     path = folder / FILE
     if not path.is_file():
@@ -243,10 +258,14 @@ def load(folder) -> Study:
     if "from" in start:  # another study's start: its declaration says how it was made
         if set(start) - {"from"}:
             r.fail(("start",), "start.from takes the other study's start as it is: give no other start key")
-        other = Path(str(start["from"]))
+        other = found(str(start["from"]))
         if other.resolve() == folder.resolve() or not (other / FILE).is_file():
             r.fail(("start", "from"), f"expected another study's folder (holding {FILE}), got {other}")
-        start = {"model": load(other).model, "from": str(other)}
+        chain = (*_via, folder.resolve())
+        if other.resolve() in chain:
+            r.fail(("start", "from"), "a cycle of start.from: "
+                                      + " -> ".join(str(f) for f in (*chain, other.resolve())))
+        start = {"model": load(other, chain).model, "from": str(other)}
     elif not start.get("model"):
         r.fail(("start",), "give the start's base model: start.model (a Hub id or a path)")
     elif ("sft" in start) == bool(start.get("adapter")):
@@ -255,11 +274,15 @@ def load(folder) -> Study:
     arms = r.mapping(doc["arms"], ("arms",))
     if not arms:
         r.fail(("arms",), "declare at least one arm")
-    for name in arms:
+    for i, name in enumerate(arms):
         if not NAME.match(str(name)):
             r.fail(("arms", str(name)), "an arm's name is letters, digits, '.', '_' or '-'")
+        twin = next((a for a in list(arms)[:i] if str(a).casefold() == str(name).casefold()), None)
+        if twin is not None:  # one record file for both on a case-insensitive file system (macOS, Windows)
+            r.fail(("arms", str(name)), f"differs from arm {twin!r} only in case: their records would collide")
     seeds = doc["seeds"]
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+    whole = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731  (YAML's true is an int in Python)
+    if not isinstance(seeds, list) or not seeds or not all(whole(s) for s in seeds):
         r.fail(("seeds",), "expected a list of whole numbers, e.g. [0, 1, 2]")
     for i, s in enumerate(seeds):
         if s in seeds[:i]:
@@ -279,7 +302,8 @@ def load(folder) -> Study:
         comparisons=_comparisons(r, doc.get("comparisons"), list(arms), [es.name for es in sets]),
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
-        continue_with=_continue_with(r, doc.get("continue_with")))
+        continue_with=_continue_with(r, doc.get("continue_with")),
+        amendments=_amendments(r, doc.get("amendments")))
     if study.start_from and "band" in doc:
         r.fail(("band",), "a start taken from another study (start.from) comes with that study's band")
     if not 0 < study.alpha < 1:
@@ -341,6 +365,25 @@ def _continue_with(r: _Reader, value) -> list[dict]:
         if not item.get("code_version") or not str(item.get("reason", "")).strip():
             r.fail(("continue_with", i), "give both code_version and reason (why the new code may pool)")
     return [{"code_version": str(x["code_version"]), "reason": str(x["reason"]).strip()} for x in value]
+
+
+def _amendments(r: _Reader, value) -> list[dict]:
+    """Changes to the declaration made after its start was recorded, each accepted by the hash of the declaration
+    it leads to (the refusal names it), with why and when: the report lists them."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        r.fail(("amendments",), "expected a list of {declaration, reason, date}")
+    out = []
+    for i, item in enumerate(value):
+        item = r.mapping(item, ("amendments", i), {"declaration", "reason", "date"})
+        if not all(str(item.get(k) or "").strip() for k in ("declaration", "reason", "date")):
+            r.fail(("amendments", i), "give declaration (the hash the refusal named), reason and date")
+        if not re.fullmatch(r"[0-9a-f]{12,64}", str(item["declaration"])):
+            r.fail(("amendments", i, "declaration"), f"expected a hex hash, got {item['declaration']!r}")
+        out.append({"declaration": str(item["declaration"]), "reason": str(item["reason"]).strip(),
+                    "date": str(item["date"])})
+    return out
 
 
 def check_files(study: Study) -> None:

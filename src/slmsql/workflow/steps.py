@@ -195,13 +195,18 @@ class Steps:
 
     def unfinished(self, stage: str, params: dict):
         """The run a crash left unfinished in this step's output folder (`.partial/`, runtime/outputs.py) when
-        it ran with these parameters, or None. The stage continues in it (its checkpoints, its finished rows)
-        and the workflow hands on that run, not a new empty one. With other parameters: None (a new run, which
-        replaces that work or refuses it, as the stage decides)."""
+        it ran with these parameters and this code version, or None. The stage continues in it (its checkpoints,
+        its finished rows) and the workflow hands on that run, not a new empty one. With other parameters, other
+        code (half its work computed otherwise), or `reuse` false (nothing made before is taken): None, said, and
+        a new run, which replaces that work or refuses it, as the stage decides."""
         from mlflow.exceptions import MlflowException
 
         # a path inside the project is relative to it (`project_path`), not to this process's folder
         if not (run_id := outputs.unfinished_run(ROOT / params["output_dir"])):
+            return None
+        if not self.reuse:
+            log.info("%s.partial holds run %s's unfinished work: not continued (reuse is off), started anew",
+                     params["output_dir"], run_id)
             return None
         try:
             run = self.client.get_run(run_id)
@@ -209,6 +214,11 @@ class Steps:
             raise SlmsqlError(f"{params['output_dir']}.partial holds the unfinished work of run {run_id}, which is "
                               "not in this tracking store: rerun with the store it ran in, or delete the folder "
                               "to start over") from None
+        made_by = run.data.tags.get("slmsql.code_version")
+        if made_by != self.version:
+            log.warning("%s.partial holds run %s's unfinished work, made by code %s, not this code (%s): not "
+                        "continued, started anew", params["output_dir"], run_id, made_by, self.version)
+            return None
         return run if _ran_with(stage, run, stage_config(stage, params)) else None
 
     def _create(self, entry_point: str, name: str, params: dict, tags: dict):
