@@ -114,6 +114,9 @@ def test_the_reward_pays_only_the_whole_suite_and_logs_the_disagreement(suites):
                                    log_metric=logged.__setitem__)
     assert got == [0.1, 1.0, 0.1, 0.1]
     assert logged["exec/suite_single_disagree"] == 0.5  # the two CLOSE answers: one database says right
+    from slmsql.tracking import vocabulary
+
+    assert all(vocabulary.documented(k, "grpo") for k in logged)
     one_db = rewards.execution_reward(None, completions, sql=[GOLD] * 4, db_path=[_first(suites)] * 4,
                                       executor=InlineExecutor(), match="spider")
     assert one_db == [1.0, 1.0, 0.1, 1.0]
@@ -160,3 +163,6 @@ def test_evaluate_cli_in_test_suite_mode(suites, tmp_path):
 
     (r,) = mlflow.search_runs(experiment_names=["slmsql"], output_format="list")
     assert r.data.tags["slmsql.match"] == "test-suite" and r.data.metrics["n_gold_unscored"] == 1
+    from slmsql.tracking import vocabulary
+
+    assert not [k for k in r.data.metrics if not vocabulary.documented(k, "evaluate")]
