@@ -102,7 +102,11 @@ def _gold_problem(golds, dbs) -> Outcome | None:
 def _judge_suites(items, executor, keep_rows: bool) -> list[Outcome]:
     """test-suite: each (db_file, pred, gold) judged on every database of db_file's suite, one sandboxed run per
     database (the same limits each time). Right only when it ran and matched (spider's rules) on all of them."""
-    suites = [suite_paths(db) for db, _, _ in items]
+    folders: dict[str, list] = {}  # a batch holds many items of one database: list each folder once
+    for db, _, _ in items:
+        if str(db) not in folders:
+            folders[str(db)] = suite_paths(db)
+    suites = [folders[str(db)] for db, _, _ in items]
     flat = [(i, d) for i, dbs in enumerate(suites) for d in dbs]
     golds = executor.run_gold([(str(d), items[i][2]) for i, d in flat])
     by_q: dict[int, list] = {}
