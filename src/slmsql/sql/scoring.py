@@ -130,7 +130,8 @@ def _judge_suites(items, executor, keep_rows: bool) -> list[Outcome]:
         verdicts = [r.status == "ok" and results_match(r.rows, g.rows, "spider", gold_sql)
                     for r, g in zip(preds[i], by_q[i])]
         failed = next(((r, d) for r, d in zip(preds[i], suites[i]) if r.status != "ok"), None)
-        status, error = ("ok", None) if failed is None else (failed[0].status, f"on {failed[1].name}: {failed[0].error}")
+        status, error = ("ok", None) if failed is None else \
+            (failed[0].status, f"on {failed[1].name}: {failed[0].error}")
         first, gold = preds[i][0], by_q[i][0]
         kept = dict(rows=first.rows, gold_rows=gold.rows) if keep_rows else {}
         out.append(Outcome(all(verdicts), status, error, round(sum(r.elapsed_ms for r in preds[i]), 3),
