@@ -61,8 +61,10 @@ class Workers:
     timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
     workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core; launched as several processes, "
                           "each one's share).")
-    match: str = opt("bird", "Answer matching: bird (set semantics) or spider (test-suite multiset semantics).",
-                     choices=("bird", "spider"))
+    match: str = opt("bird", "Answer matching: bird (set semantics), spider (test-suite multiset semantics, on "
+                     "<db_root>/<db_id>/<db_id>.sqlite) or test-suite (spider's rules on every *.sqlite in "
+                     "<db_root>/<db_id>/: right only if right on all of them).",
+                     choices=("bird", "spider", "test-suite"))
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Canonical line: {"id", "db_id", "question", "sql", "evidence"?, "difficulty"?, ...extra}.
 Databases live at <db_root>/<db_id>/<db_id>.sqlite, the layout both benchmarks ship; a db_id is a name,
-never a path (`db_id_problem`).
+never a path (`db_id_problem`). Under `--match test-suite` a question's databases are every `*.sqlite` in that
+folder (`suite_paths`: the layout of Spider's released test suites), `<db_id>.sqlite` first; prompts and the
+one-database EX use that first one.
 
 Every JSON and JSONL file slmsql writes goes through `dumps` (see there for the one rule on text UTF-8
 cannot encode); tables shown in MLflow go through `safe_text`.
@@ -128,6 +130,14 @@ def db_path(db_root, db_id: str) -> Path:
     if why := db_id_problem(db_id):  # read_gold refuses these already; this guards every other caller
         raise DataError(why, field="db_id")
     return Path(db_root) / db_id / f"{db_id}.sqlite"
+
+
+def suite_paths(db_file) -> list[Path]:
+    """A test suite: every `*.sqlite` in the folder of `db_file` (a question's `db_path`), `db_file` itself first
+    (the one database of today's EX), the others in name order. A folder holding only `db_file` is a suite of one."""
+    db_file = Path(db_file)
+    others = sorted(p for p in db_file.parent.glob("*.sqlite") if p.name != db_file.name and p.is_file())
+    return [db_file, *others]
 
 
 def check_databases(examples: list[Example], db_root, source=None) -> None:

@@ -6,12 +6,14 @@ Completions come as plain strings or, for conversational data, as [{"role": "ass
 
 execution: 1.0 when the extracted SQL runs and matches gold, `runs` (0.1) when it runs but is wrong,
            0.0 otherwise (error, timeout, truncated, rejected, no SQL, and a gold that cannot be compared:
-           gold_error, gold_too_large). The shape Arctic-Text2SQL-R1 uses.
+           gold_error, gold_too_large, gold_empty). The shape Arctic-Text2SQL-R1 uses. Under `--match test-suite`
+           right means right on every database of the suite (`exec/suite_single_disagree` counts the completions
+           the first database alone would have paid otherwise).
 format:    0.2 when the completion holds a closed ```sql block.
 syntax, schema_linking, ngram: Reasoning-SQL's partial rewards on the SQL text (rewards/sqlsim.py), no execution.
 cell_precision, cell_recall, tuple_cardinality: QATCH's partial credit on the executed results (rewards/cells.py).
 Each registered function's docstring says what it pays for, first line first (the docs' reward table).
-Dataset columns used: `sql` (gold) and `db_path` (the SQLite file).
+Dataset columns used: `sql` (gold) and `db_path` (the SQLite file; under test-suite, the first of its suite).
 
 The rewards that read results share one execution per completion per call: `build` binds one `Executions` to
 all of them, which runs a batch once and hands the same outcomes to every reward TRL then calls on that batch.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from slmsql.errors import SlmsqlError
 from slmsql.rewards import cells, sqlsim
 from slmsql.sql.extract import completion_text, extract_sql, has_sql_block
-from slmsql.sql.scoring import STATUSES, Outcome, outcomes
+from slmsql.sql.scoring import STATUSES, TEST_SUITE, Outcome, disagreement, outcomes
 
 
 class RewardError(SlmsqlError, ValueError):
@@ -46,10 +48,11 @@ def execution_tier(o: Outcome, tiers: Tiers = Tiers()) -> float:
     return tiers.runs if o.status == "ok" else tiers.fails
 
 
-def telemetry(outs: list[Outcome], group_ids) -> dict[str, float]:
+def telemetry(outs: list[Outcome], group_ids, suite: bool = False) -> dict[str, float]:
     """Per-batch signals TRL does not log: the execution-status mix, and the fraction of groups whose
     *correctness* varies. A group of 0.0 and 0.1 rewards has reward std > 0 but teaches nothing about
-    correctness; only groups with both right and wrong answers carry that signal."""
+    correctness; only groups with both right and wrong answers carry that signal. `suite` (test-suite matching):
+    also the share of completions that the first database alone would have paid otherwise than the suite does."""
     n = len(outs)
     names = [o.outcome for o in outs]
     # every outcome (scoring.STATUSES, `ok` split into correct and wrong_result): each step's shares sum to 1
@@ -58,6 +61,8 @@ def telemetry(outs: list[Outcome], group_ids) -> dict[str, float]:
     for gid, o in zip(group_ids, outs):
         groups.setdefault(gid, set()).add(o.correct)
     m["exec/frac_groups_correctness_varies"] = sum(len(v) == 2 for v in groups.values()) / len(groups)
+    if suite:  # a gold that cannot judge has no single verdict: it agrees (both pay nothing)
+        m["exec/suite_single_disagree"] = disagreement([bool(o.single) for o in outs], [o.correct for o in outs])
     return m
 
 
@@ -90,7 +95,7 @@ def execution_reward(prompts, completions, *, sql, db_path, executor=None, tiers
     if on_outcomes is not None:
         on_outcomes(outs)
     if log_metric is not None:  # TRL >= 1.x hands reward functions its metric and completions-table sinks
-        for name, value in telemetry(outs, id or prompts).items():
+        for name, value in telemetry(outs, id or prompts, suite=match == TEST_SUITE).items():
             log_metric(name, value)
     if log_extra is not None:  # the completions table's `status`: named as in the exec/<outcome> metrics
         log_extra("status", [o.outcome for o in outs])

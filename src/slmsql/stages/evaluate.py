@@ -14,7 +14,7 @@ from slmsql.configs import EvaluateConfig
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import check_databases, read_gold, read_jsonl, read_predictions, write_json, write_jsonl
 from slmsql.runtime.outputs import Staged
-from slmsql.sql.scoring import ex_summary, result_row
+from slmsql.sql.scoring import ex_summary, result_row, split_scored
 from slmsql.stats import inference
 from slmsql.tracking import tables
 from slmsql.tracking.figures import ex_figure
@@ -87,11 +87,21 @@ def main(cfg: EvaluateConfig) -> dict:
         if not cfg.predictions:
             preds = {e.id: got[e.id][0] for e in examples}
             write_jsonl(work_dir / "predictions.jsonl", [{"id": k, **v} for k, v in preds.items()])
-        metrics = ex_summary(results)
+        scored, unscored = split_scored(results, cfg.match)
+        if not scored:
+            raise DataError(f"no question of {cfg.data} can be scored under --match {cfg.match}: every gold fails "
+                            f"or returns nothing on its suite ({', '.join(unscored[:10])})")
+        metrics = ex_summary(scored)
+        if cfg.match == "test-suite":
+            metrics["n_gold_unscored"] = len(unscored)
+            metrics["gold_unscored_ids"] = unscored
+            if unscored:
+                log.warning("%d questions not scored: their gold fails or returns nothing on their suite: %s",
+                            len(unscored), ", ".join(unscored))
         comparison = None
         if baseline is not None:
-            comparison = inference.compare([r["correct"] for r in results],
-                                       [bool(baseline[r["id"]]["correct"]) for r in results], alpha=cfg.alpha)
+            comparison = inference.compare([r["correct"] for r in scored],
+                                       [bool(baseline[r["id"]]["correct"]) for r in scored], alpha=cfg.alpha)
             metrics["comparison"] = {"baseline_run": cfg.baseline_run, **comparison}
             mlflow.log_metrics(vocabulary.comparison_metrics(comparison))
             mlflow.set_tags({"slmsql.baseline_run": cfg.baseline_run, "slmsql.verdict": comparison["verdict"]})

@@ -14,7 +14,7 @@ from slmsql.rewards.registry import describe as describe_reward
 from slmsql.tracking.runs import STAT_DIGITS, numeric
 
 OUTCOME_STATUSES = ("correct", "wrong_result", "error", "timeout", "truncated", "rejected", "no_sql", "missing",
-                    "gold_error", "gold_too_large")
+                    "gold_error", "gold_too_large", "gold_empty")
 TRL_NAMES = ("loss", "grad_norm", "learning_rate", "epoch", "entropy", "num_tokens", "mean_token_accuracy", "kl",
              "aux_loss", "policy_loss", "entropy_coef", "cispo_clip_ratio", "step_time", "train_runtime",
              "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss")
@@ -52,8 +52,17 @@ VOCABULARY = [
     ("exec/<status>", ("evaluate", "grpo"),
      "share of answers with this outcome: correct, wrong_result (ran, other rows), error, timeout, truncated "
      "(stopped: more rows than can match the gold), rejected (by the sandbox), no_sql, missing (no prediction), "
-     "gold_error, gold_too_large (gold over the digest budget); per question (evaluate), per sampled "
+     "gold_error, gold_too_large (gold over the digest budget), gold_empty (test-suite: gold returns no rows on "
+     "any database of its suite); per question (evaluate), per sampled "
      "completion at each step (grpo). Tables name outcomes the same way (`status`)"),
+    ("ex_single_db", ("evaluate",), "test-suite: `ex` on each suite's first database alone (today's one-database "
+     "EX), on the same questions"),
+    ("suite_single_disagree", ("evaluate",), "test-suite: share of questions where the one-database verdict and the "
+     "suite's verdict differ"),
+    ("n_gold_unscored", ("evaluate",), "test-suite: questions left out of `n` because their gold fails or returns "
+     "nothing on their suite (ids in metrics.json's gold_unscored_ids)"),
+    ("exec/suite_single_disagree", ("grpo",), "test-suite: share of sampled completions at each step that the "
+     "first database alone would have paid otherwise than the whole suite"),
     ("baseline/ex", ("evaluate",), "`ex` of the baseline run (`--baseline-run`) on the same questions"),
     ("baseline/ex_ci_low", ("evaluate",), "lower bound of the baseline's Wilson interval at confidence 1 − α"),
     ("baseline/ex_ci_high", ("evaluate",), "upper bound of the baseline's Wilson interval at confidence 1 − α"),
