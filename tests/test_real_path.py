@@ -208,6 +208,11 @@ class FakeSteps:
     def uri(self, run, path):
         return f"runs:/{run.info.run_id}/{path}"
 
+    def config(self, stage, name, **given):  # as Steps.config, without overrides or recipes
+        from slmsql.workflow.steps import resolved
+
+        return resolved(stage, given)
+
 
 @pytest.mark.parametrize("kind", ["adapter", "full"])
 def test_pipeline_on_a_pretrained_model_wires_zero_shot_and_the_sft_adapter(monkeypatch, kind):

@@ -35,9 +35,10 @@ from slmsql.stages import evaluate, filter as passrate
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-def _questions(tmp_path, shop):
-    return write(tmp_path / "q.jsonl", [{"id": "q1", "db_id": "shop", "question": "How many items?",
-                                         "sql": "SELECT count(*) FROM item"}])
+def _questions(tmp_path, shop, n=1):
+    """n questions (GRPO's: 2, what one optimizer step draws at the default shape, so its own checks are reached)."""
+    return write(tmp_path / "q.jsonl", [{"id": f"q{i + 1}", "db_id": "shop", "question": "How many items?",
+                                         "sql": "SELECT count(*) FROM item"} for i in range(n)])
 
 
 def _refused(stage, cls, args, match):
@@ -442,7 +443,7 @@ def test_grpo_with_use_vllm_refuses_without_vllm_and_says_when_it_is_outside_trl
     from slmsql.inputs.data import read_gold
     from slmsql.stages import grpo
 
-    data = _questions(tmp_path, shop)
+    data = _questions(tmp_path, shop, n=2)
     cfg = configs.load(configs.GRPOStageConfig, None, {"data": str(data), "db_root": str(shop),
                                                        "trainer_args": "use_vllm=true vllm_mode=colocate"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # colocate on a CPU is refused: next test
@@ -471,7 +472,7 @@ def test_grpo_colocated_vllm_on_a_cpu_is_refused_before_any_output(tmp_path, sho
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(vllm_engine, "version", lambda: "0.32.0")
-    base = {"data": str(_questions(tmp_path, shop)), "db_root": str(shop), "model": "some/model",
+    base = {"data": str(_questions(tmp_path, shop, n=2)), "db_root": str(shop), "model": "some/model",
             "output_dir": str(tmp_path / "out")}
     for args in ("use_vllm=true", "use_vllm=true vllm_mode=colocate"):  # colocate is TRL's default mode
         _refused(grpo, configs.GRPOStageConfig, {**base, "trainer_args": args}, "cannot run on a CPU")
