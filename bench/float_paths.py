@@ -11,11 +11,11 @@ filter then found a band of 1 question in 300). This runs the same toy SFT -> ev
               the GEMMs included)
     cbwr      MKL_CBWR=COMPATIBLE (MKL's most portable path)
 
-and prints, per path, SFT's last logged loss, EX on toy dev and the filter's buckets. On an AVX2-only machine the
+and prints, per path, SFT's mean training loss, EX on toy dev and the filter's buckets. On an AVX2-only machine the
 `avx2` path is the `default` one. Figures are about the toy world only.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/float_paths.py                      # the fixtures' SFT
-    PYTHONPATH=src python bench/float_paths.py --sft-args "--max-steps 800"          # the demo's
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/float_paths.py       # the demo's SFT (and the pipeline test's)
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/float_paths.py --sft-args "--max-steps 400" --paths default
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_args: list[str]) -> dict:
+def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_args: list[str] | None) -> dict:
     env = {k: v for k, v in base_env.items() if k not in FLOAT_VARS} | PATHS[name]
     toy, out = root / "toy", root / name
     dbs = ["--db-root", str(toy / "databases")]
@@ -65,11 +65,14 @@ def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_
                        "--output-dir", str(out / "sft"), *sft_args)
     t["evaluate"] = slmsql(root, env, "evaluate", "--model", str(out / "sft"), "--data", str(toy / "dev.jsonl"), *dbs,
                            "--output-dir", str(out / "eval"))
-    t["filter"] = slmsql(root, env, "filter", "--model", str(out / "sft"), "--data", str(toy / "rl_source.jsonl"),
-                         *dbs, "--output-dir", str(out / "filter"), *filter_args)
-    sft, ev, fl = (read_json(p) for p in (out / "sft" / "sft_summary.json", out / "eval" / "metrics.json",
-                                          out / "filter" / "summary.json"))
-    return {"path": name, "sft_train_loss": round(sft["train_loss"], 4), "sft_steps": sft["steps"],
+    fl = {}
+    if filter_args is not None:  # None: EX only, a quick screen of a recipe
+        t["filter"] = slmsql(root, env, "filter", "--model", str(out / "sft"), "--data", str(toy / "rl_source.jsonl"),
+                             *dbs, "--output-dir", str(out / "filter"), *filter_args)
+        fl = read_json(out / "filter" / "summary.json")
+        fl = {"n_source": fl["n_source"], **fl["buckets"]}
+    sft, ev = read_json(out / "sft" / "sft_summary.json"), read_json(out / "eval" / "metrics.json")
+    return {"path": name, "sft_mean_train_loss": round(sft["train_loss"], 4), "sft_steps": sft["steps"],
             "ex_dev": ev["ex"], "ex_dev_ci": [ev["ex_ci_low"], ev["ex_ci_high"]], "n_dev": ev.get("n"),
             **{k: fl.get(k) for k in ("n_source", "band", "all_fail", "all_pass", "out_of_band")},
             "seconds": {k: round(v, 1) for k, v in t.items()}}
@@ -78,8 +81,10 @@ def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--paths", default="default,avx2,cbwr", help="comma-separated: " + ", ".join(PATHS))
-    ap.add_argument("--sft-args", default="--max-steps 400", help="extra `slmsql sft` options (the fixtures' SFT)")
+    ap.add_argument("--sft-args", default="", help="extra `slmsql sft` options (default: none, the demo's and the "
+                    "pipeline test's SFT); '--max-steps 400' is the one issue 55 found on a knife edge")
     ap.add_argument("--filter-args", default="", help="extra `slmsql filter` options, e.g. '--limit 60'")
+    ap.add_argument("--no-filter", action="store_true", help="EX on dev only, no filter (a quick screen)")
     ap.add_argument("--toy-args", default="", help="extra `slmsql toy` options")
     ap.add_argument("--root", default="", help="work folder (default: a temporary one)")
     a = ap.parse_args()
@@ -94,11 +99,12 @@ def main() -> None:
     slmsql(root, env, "toy", "--output-dir", str(root / "toy"), *shlex.split(a.toy_args))
     rows = []
     for name in paths:
-        row = one_path(root, name, env, shlex.split(a.sft_args), shlex.split(a.filter_args))
+        row = one_path(root, name, env, shlex.split(a.sft_args),
+                       None if a.no_filter else shlex.split(a.filter_args))
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(json.dumps({"sft_args": a.sft_args, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                      "paths": {r["path"]: {"ex_dev": r["ex_dev"], "band": r["band"], "n_source": r["n_source"]}
+                      "paths": {r["path"]: {"ex_dev": r["ex_dev"], "band": r.get("band"), "n_source": r.get("n_source")}
                                 for r in rows}}))
 
 
