@@ -137,7 +137,8 @@ def _runs(uri):
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name("slmsql")
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
-    # The fixture's pipeline run is the first; test_rerun_reuses_finished_steps (last in this module) adds another.
+    # The fixture's pipeline run is the first; test_rerun_reuses_finished_steps and the kill test (the last two in this
+    # module) add others.
     parent = next(r for r in runs if r.data.tags.get("slmsql.stage") == "pipeline")
     return client, exp, parent, {r.info.run_name: r for r in runs
                                  if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
@@ -532,45 +533,9 @@ if "grpo" in sys.argv[1:2]:
 
 
 @pytest.mark.slow
-def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(tmp_path):
-    """`slmsql pipeline` killed (SIGKILL, pipeline and step together) after GRPO's checkpoint-2; the same command
-    again, in a new process, reuses the finished steps, continues GRPO from its checkpoint in its own MLflow run
-    (not a new one beside it) and evaluates and publishes that run's adapter."""
-    import mlflow
-
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(DIE_AFTER_CHECKPOINT_2)
-    env = {"MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_DISABLE_TELEMETRY": "true",
-           "PATH": _path(), "HF_HOME": str(tmp_path / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(tmp_path / "out"), "--overrides",
-            SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]
-    first = watched.run(argv, cwd=tmp_path, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(hook), env["PYTHONPATH"]]))})
-    assert first.returncode == -9, first.stderr[-4000:]
-    partial = tmp_path / "out" / "grpo.partial"
-    assert (partial / "checkpoint-2").is_dir() and not (partial / "checkpoint-4").exists()
-    client = mlflow.MlflowClient()
-    (killed,) = [r for r in client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
-                 if r.info.run_name == "grpo"]
-    assert killed.info.status == "RUNNING"  # nobody was left to end it
-
-    again = watched.run(argv, cwd=tmp_path, env=env)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert again.stderr.count("reused run") == 4  # toy, tiny-model, sft, filter
-    assert f"step grpo           continues its unfinished run {killed.info.run_id}" in again.stderr
-    runs = {r.info.run_name: r for r in client.search_runs([killed.info.experiment_id])}
-    assert runs["grpo"].info.run_id == killed.info.run_id and runs["grpo"].info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(killed.info.run_id, "loss")} == set(range(1, 7))
-    for step in ("eval-grpo-dev", "eval-grpo-dev_cross"):
-        assert runs[step].data.params["adapter"] == f"runs:/{killed.info.run_id}/adapter", step
-    assert runs["publish"].data.params["grpo_run"] == killed.info.run_id
-    assert not partial.exists() and (tmp_path / "out" / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
-
-
-@pytest.mark.slow
 def test_rerun_reuses_finished_steps(lifecycle):
-    """Last in this module: it adds a second pipeline run to the fixture's store."""
+    """Second to last in this module: it adds a second pipeline run to the fixture's store (and the kill test,
+    last, a third)."""
     uri, root, run, hub = lifecycle
     assert run.returncode == 0, run.stderr[-4000:]
     again = pipeline(uri, root, hub)
@@ -578,3 +543,45 @@ def test_rerun_reuses_finished_steps(lifecycle):
     assert again.stderr.count("reused run") == 10
     assert [len(hub.repos[r]["commits"]) for r in (BASE_REPO, REPO)] == [1, 1]  # a reused publish pushes nothing
 
+
+@pytest.mark.slow
+def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(lifecycle):
+    """Last in this module (after the rerun test, which counts the fixture's runs): `slmsql pipeline` with 6 GRPO
+    steps instead of 3, in the fixture's store and output folder, so that toy, tiny-model, SFT and filter are reused
+    rather than trained again, is killed (SIGKILL, pipeline and step together) after GRPO's checkpoint-2; the same
+    command again, in a new process, reuses the finished steps, continues GRPO from its checkpoint in its own MLflow
+    run (not a new one beside it) and evaluates and publishes that run's adapter."""
+    import mlflow
+
+    uri, root, _, _ = lifecycle
+    hook = root / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DIE_AFTER_CHECKPOINT_2)
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
+           "HF_HOME": str(root / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"), "--overrides",
+            SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]
+    first = watched.run(argv, cwd=root, env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(hook), env["PYTHONPATH"]]))})
+    assert first.returncode == -9, first.stderr[-4000:]
+    assert first.stderr.count("reused run") == 4, first.stderr[-4000:]  # toy, tiny-model, sft, filter
+    partial = root / "out" / "grpo.partial"
+    assert (partial / "checkpoint-2").is_dir() and not (partial / "checkpoint-4").exists()
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("slmsql").experiment_id
+    (killed,) = [r for r in client.search_runs([experiment])
+                 if r.info.run_name == "grpo" and r.info.status == "RUNNING"]  # nobody was left to end it
+
+    again = watched.run(argv, cwd=root, env=env)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.count("reused run") == 6  # toy, tiny-model, sft, filter, the two SFT evaluations
+    assert f"step grpo           continues its unfinished run {killed.info.run_id}" in again.stderr
+    resumed = client.get_run(killed.info.run_id)
+    assert resumed.info.status == "FINISHED" and resumed.data.params["max_steps"] == "6"
+    assert {m.step for m in client.get_metric_history(killed.info.run_id, "loss")} == set(range(1, 7))
+    adapter = f"runs:/{killed.info.run_id}/adapter"
+    evals = [r for r in client.search_runs([experiment], f"params.adapter = '{adapter}'")]
+    assert sorted(r.info.run_name for r in evals) == ["eval-grpo-dev", "eval-grpo-dev_cross"]
+    assert all(r.info.status == "FINISHED" for r in evals)
+    assert client.search_runs([experiment], f"params.grpo_run = '{killed.info.run_id}'")[0].info.run_name == "publish"
+    assert not partial.exists() and (root / "out" / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
