@@ -55,7 +55,8 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_args: list[str] | None) -> dict:
+def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_args: list[str] | None,
+             eval_args: list[str] = ()) -> dict:
     env = {k: v for k, v in base_env.items() if k not in FLOAT_VARS} | PATHS[name]
     toy, out = root / "toy", root / name
     dbs = ["--db-root", str(toy / "databases")]
@@ -64,7 +65,7 @@ def one_path(root: Path, name: str, base_env: dict, sft_args: list[str], filter_
     t["sft"] = slmsql(root, env, "sft", "--model", str(out / "tiny"), "--data", str(toy / "sft.jsonl"), *dbs,
                        "--output-dir", str(out / "sft"), *sft_args)
     t["evaluate"] = slmsql(root, env, "evaluate", "--model", str(out / "sft"), "--data", str(toy / "dev.jsonl"), *dbs,
-                           "--output-dir", str(out / "eval"))
+                           "--output-dir", str(out / "eval"), *eval_args)
     fl = {}
     if filter_args is not None:  # None: EX only, a quick screen of a recipe
         t["filter"] = slmsql(root, env, "filter", "--model", str(out / "sft"), "--data", str(toy / "rl_source.jsonl"),
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--sft-args", default="", help="extra `slmsql sft` options (default: none, the demo's and the "
                     "pipeline test's SFT); '--max-steps 400' is the one issue 55 found on a knife edge")
     ap.add_argument("--filter-args", default="", help="extra `slmsql filter` options, e.g. '--limit 60'")
+    ap.add_argument("--eval-args", default="", help="extra `slmsql evaluate` options, e.g. '--limit 20'")
     ap.add_argument("--no-filter", action="store_true", help="EX on dev only, no filter (a quick screen)")
     ap.add_argument("--toy-args", default="", help="extra `slmsql toy` options")
     ap.add_argument("--root", default="", help="work folder (default: a temporary one)")
@@ -100,10 +102,10 @@ def main() -> None:
     rows = []
     for name in paths:
         row = one_path(root, name, env, shlex.split(a.sft_args),
-                       None if a.no_filter else shlex.split(a.filter_args))
+                       None if a.no_filter else shlex.split(a.filter_args), shlex.split(a.eval_args))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(json.dumps({"sft_args": a.sft_args, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    print(json.dumps({"sft_args": a.sft_args, "eval_args": a.eval_args, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                       "paths": {r["path"]: {"ex_dev": r["ex_dev"], "band": r.get("band"), "n_source": r.get("n_source")}
                                 for r in rows}}))
 

@@ -307,12 +307,14 @@ def test_rewards_bench_times_every_reward_on_one_shared_execution():
 
 @pytest.mark.slow
 def test_float_paths_bench_runs_the_chain_on_each_path_it_is_asked(tmp_path):
-    """The smallest chain (a small world, 2 SFT steps, EX only) on two paths, each in its own processes: a row per
-    path in the order asked, EX a rate over the dev set; an unknown path is refused before anything runs."""
+    """The smallest chain (a small world, 2 SFT steps, EX on 6 dev questions only) on two paths, each in its own
+    processes: a row per path in the order asked, EX a rate over the questions asked; an unknown path is refused
+    before anything runs."""
     got = run_bench("float_paths.py", "--paths", "cbwr,default", "--toy-args", "--size small", "--sft-args",
-                    "--max-steps 2", "--no-filter", "--root", str(tmp_path / "w"))
+                    "--max-steps 2", "--eval-args", "--limit 6", "--no-filter", "--root", str(tmp_path / "w"))
     assert list(got["paths"]) == ["cbwr", "default"]
     assert all(0.0 <= p["ex_dev"] <= 1.0 and p["band"] is None for p in got["paths"].values())
+    assert {json.loads((tmp_path / "w" / p / "eval" / "metrics.json").read_text())["n"] for p in got["paths"]} == {6}
     assert {f.name for f in (tmp_path / "w").iterdir()} >= {"toy", "cbwr", "default"}
     proc = watched.run([sys.executable, str(ROOT / "bench" / "float_paths.py"), "--paths", "avx512",
                         "--root", str(tmp_path / "x")], cwd=ROOT, env=ENV)

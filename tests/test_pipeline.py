@@ -78,7 +78,7 @@ def lifecycle(tmp_path_factory):
 def pipeline(uri, root, hub):
     """`slmsql pipeline --push` in a fresh process, which reaches the stand-in only through --hub-endpoint and
     gets the token only from HF_TOKEN (as hubstub.configure_client does in-process, by environment)."""
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
+    env = {**_machine(), "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
            "HF_TOKEN": hub.token, "HF_HOME": str(root / "hf-home"), "HF_HUB_DISABLE_XET": "1",
            "HF_HUB_DISABLE_TELEMETRY": "1"}
     if "PYTHONPATH" in os.environ:
@@ -89,6 +89,18 @@ def pipeline(uri, root, hub):
 
 def _path():
     return f"{sys.prefix}/bin:{os.environ['PATH']}"
+
+
+# What the suite was started with for threads and float paths, carried into the pipeline's clean environment:
+# without OMP_NUM_THREADS its steps run torch on every core beside the other xdist worker (an 800-step SFT took
+# 1234 s there, against 0.6 s a step alone), and without the MKL/oneDNN/ATen settings `make test-float` would not
+# reach the lifecycle at all.
+MACHINE = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+           "ATEN_CPU_CAPABILITY")
+
+
+def _machine() -> dict:
+    return {k: os.environ[k] for k in MACHINE if k in os.environ}
 
 
 @pytest.mark.slow
@@ -557,7 +569,7 @@ def test_a_pipeline_killed_in_grpo_goes_on_in_the_same_run(lifecycle):
     hook = root / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(DIE_AFTER_CHECKPOINT_2)
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
+    env = {**_machine(), "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true", "PATH": _path(),
            "HF_HOME": str(root / "hf-home"), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, "-m", "slmsql.cli", "pipeline", "--output-dir", str(root / "out"), "--overrides",
             SHORT.replace("grpo.max_steps=3", "grpo.max_steps=6")]

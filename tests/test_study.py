@@ -470,17 +470,19 @@ def stage_runs(root: Path, stage: str) -> int:
 
 @pytest.fixture(scope="module")
 def machines(policy, tmp_path_factory):
-    """Three machines' checkouts. `a` and `b` split the study (--shard 1/2, then 2/2 given the study folder as `a`
-    committed it: the declaration, the records, the pinned start). `r` runs both cells in one invocation on a real
+    """Three machines' checkouts. `a` and `b` split the study (`a` takes a-seed0's share, then `b` a-seed1's, given
+    the study folder as `a` committed it: the declaration, the records, the pinned start). `r` runs both cells in one invocation on a real
     Ray cluster, given the start's record but not its pinned files: it makes the band again from scratch, which the
     run checks against the record's fingerprint (refused if it differed), evaluates the start no more (its results
     are in the record), and one of its cells runs on a worker killed mid-cell (study_faults.py)."""
     tmp = tmp_path_factory.mktemp("machines")
     a, b, r = (clone(tmp / n, policy) for n in ("a", "b", "r"))
-    out = {"a": slmsql(a, "study", "run", "studies/s", "--shard", "1/2")}
+    # a cell's share is a hash of its id (stages/study.py share()): sha256("a-seed0") puts it in share 2 of 2,
+    # "a-seed1" in share 1
+    out = {"a": slmsql(a, "study", "run", "studies/s", "--shard", "2/2")}
     shutil.rmtree(b / "studies" / "s")
     shutil.copytree(a / "studies" / "s", b / "studies" / "s")
-    out["b"] = slmsql(b, "study", "run", "studies/s", "--shard", "2/2")
+    out["b"] = slmsql(b, "study", "run", "studies/s", "--shard", "1/2")
     shutil.copy(b / "studies/s/records/a-seed1.json", a / "studies/s/records/a-seed1.json")
     (r / "studies/s/records").mkdir()
     shutil.copy(a / "studies/s/records/start.json", r / "studies/s/records/start.json")
@@ -787,14 +789,14 @@ def test_two_processes_racing_for_a_cell_one_holds_its_lease_until_it_ends(folde
     first = racer("lease", folder, go)
     assert first.stdout.readline() == "got\n"
     second = racer("lease", folder, go)
-    out = second.communicate(timeout=120)[0]
+    out = second.communicate(timeout=watched.STALL_S)[0]
     assert out.startswith("busy: cell a-seed0 is being run by another process") and f"pid {first.pid}" in out
     first.kill()
     first.wait()
     third = racer("lease", folder, go)
     assert third.stdout.readline() == "got\n"
     go.touch()
-    assert third.wait(timeout=120) == 0
+    assert third.wait(timeout=watched.STALL_S) == 0
 
 
 def test_two_processes_writing_one_record_one_wins_and_the_other_is_told(folder, tmp_path):
@@ -803,7 +805,7 @@ def test_two_processes_writing_one_record_one_wins_and_the_other_is_told(folder,
     procs = [racer(f"writer{i}", folder, go) for i in (1, 2)]
     assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
     go.touch()
-    outs = sorted(p.communicate(timeout=120)[0] for p in procs)
+    outs = sorted(p.communicate(timeout=watched.STALL_S)[0] for p in procs)
     assert outs[0].startswith("lost: ") and "written by another run first" in outs[0] and outs[1] == "won\n"
     winner = json.loads(records.path_of(s, "a-seed0").read_text())["metrics"]["by"]
     assert winner in ("writer1", "writer2") and not list(s.records.glob(".*.tmp"))
@@ -827,7 +829,7 @@ def test_a_cell_whose_lease_another_process_holds_is_skipped_here(folder, tmp_pa
     said = []
     dispatch.here(s, s.cells(), None, None, lambda c, path, why="": said.append((c.id, path, why)), shard="1/1")
     go.touch()
-    holder.wait(timeout=120)
+    holder.wait(timeout=watched.STALL_S)
     assert trained == ["a-seed1", "b-seed0", "b-seed1"]
     assert said[0][:2] == ("a-seed0", None) and "is being run by another process" in said[0][2]
     assert [x[1] for x in said[1:]] == [records.path_of(s, c) for c in trained]
