@@ -79,9 +79,10 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Two pytest-xdist workers, one torch thread each (two processes of two threads each on 2 cores stall each other's
-# OpenMP), each test module on one worker (its module fixtures, some of them minutes of training, built once).
+# OpenMP), each test module on one worker (its module fixtures, some of them minutes of training, built once), the
+# heaviest modules handed out first (tests/conftest.py HEAVIEST_FIRST), in that order.
 JOBS ?= 2
-PYTEST = OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(JOBS) --dist loadfile
+PYTEST = OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PYTEST)

@@ -3,10 +3,11 @@ architecture, its own 49k BPE tokenizer, ChatML template, eos = pad = <|im_end|>
 into the Hugging Face cache (dequantized from a Q4_1 GGUF: not the original weights).
 
 A few steps of each, through the CLI in fresh processes as a user runs them, with the smollm2-135m recipes:
-SFT (LoRA, 3 steps) -> filter (8 questions x K=4) -> GRPO (3 steps, gradient checkpointing, continuing the SFT
-adapter) -> evaluate SFT and GRPO (8 questions, paired) -> publish (a dry run: what a push would upload) -> the
-registered `text2sql` model answers as evaluate did. GRPO trains on the filter's source questions, not on its
-band: how many of 8 questions land in the band after 10 SFT steps is the model's business, not this test's.
+SFT (LoRA, 2 steps of 4, no accumulation) -> filter (8 questions x K=4) -> GRPO (2 steps, gradient
+checkpointing, continuing the SFT adapter) -> evaluate SFT and GRPO (8 questions, paired) -> publish (a dry run:
+what a push would upload) -> the registered `text2sql` model answers as evaluate did. GRPO trains on the filter's
+source questions, not on its band: how many of 8 questions land in the band after 2 SFT steps is the model's
+business, not this test's.
 
 Skipped when the model is not in the cache, except under CI (.ci/run runs `make smollm2`), where it fails.
 """
@@ -69,8 +70,11 @@ def stages(tmp_path_factory):
     dbs = ["--db-root", str(world / "databases")]
     rl = root / "rl.jsonl"
     rl.write_text("".join((world / "rl_source.jsonl").read_text().splitlines(keepends=True)[:8]))
-    runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "3",
-                          "--per-device-train-batch-size", "4", "--trainer-args", "gradient_checkpointing=true")}
+    runs = {"sft": slmsql("sft", "--model", MODEL, "--data", str(world / "sft.jsonl"), *dbs, "--max-steps", "2",
+                          "--per-device-train-batch-size", "4",
+                          # the recipe accumulates 2 micro-batches a step (its memory at batch 8); one is enough to
+                          # check the path, at half the cost (a step of 8 took 63 s on the AVX2-only AMD machine)
+                          "--trainer-args", "gradient_checkpointing=true gradient_accumulation_steps=1")}
     sft_out = str(root / "sft")
     # the filter refuses a band smaller than one GRPO step draws (its data check: 2 at the default shape), and which
     # of 8 questions a 3-step SFT adapter gets right 1-3 times of 4 is the model's floats' business: two questions'
@@ -83,8 +87,8 @@ def stages(tmp_path_factory):
                             str(world / "rl_source.jsonl"), *dbs, "--limit", "8", "--k", "4", "--workers", "1",
                             pins=pins)
     runs["grpo"] = slmsql("grpo", "--model", MODEL, "--base-adapter", sft_out, "--adapter-mode", "continue",
-                          "--data", str(rl), *dbs, "--max-steps", "3", "--num-generations", "4",
-                          "--per-device-train-batch-size", "8", "--save-steps", "3", "--workers", "1",
+                          "--data", str(rl), *dbs, "--max-steps", "2", "--num-generations", "4",
+                          "--per-device-train-batch-size", "8", "--save-steps", "2", "--workers", "1",
                           "--trainer-args", "gradient_checkpointing=true")
     ev = ["--data", str(world / "dev.jsonl"), *dbs, "--limit", str(EVAL_N), "--dataset-name", "toy-dev",
           "--workers", "1"]
@@ -130,7 +134,7 @@ def test_every_stage_finishes_on_the_hub_id(stages):
     # counted with the model's own tokenizer before training: nothing dropped, nothing truncated
     assert runs["sft"].data.metrics["tokens/dropped_long"] == 0
     assert runs["sft"].data.metrics["tokens/example_max"] <= float(runs["sft"].data.params["max_length"])
-    assert runs["grpo"].data.metrics["steps"] == 3 and runs["filter"].data.metrics["n_source"] == 8
+    assert runs["grpo"].data.metrics["steps"] == 2 and runs["filter"].data.metrics["n_source"] == 8
     assert runs["filter"].data.metrics["band"] >= 2  # the pinned questions at least
     assert runs["eval-grpo"].data.metrics["n"] == runs["eval-sft"].data.metrics["n"] == EVAL_N
     assert "vs_baseline/p" in runs["eval-grpo"].data.metrics
