@@ -105,7 +105,8 @@ def main() -> None:
                        None if a.no_filter else shlex.split(a.filter_args), shlex.split(a.eval_args))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print(json.dumps({"sft_args": a.sft_args, "eval_args": a.eval_args, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    print(json.dumps({"sft_args": a.sft_args, "eval_args": a.eval_args,
+                      "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                       "paths": {r["path"]: {"ex_dev": r["ex_dev"], "band": r.get("band"), "n_source": r.get("n_source")}
                                 for r in rows}}))
 

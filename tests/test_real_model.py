@@ -77,7 +77,7 @@ def stages(tmp_path_factory):
                           "--trainer-args", "gradient_checkpointing=true gradient_accumulation_steps=1")}
     sft_out = str(root / "sft")
     # the filter refuses a band smaller than one GRPO step draws (its data check: 2 at the default shape), and which
-    # of 8 questions a 3-step SFT adapter gets right 1-3 times of 4 is the model's floats' business: two questions'
+    # of 8 questions a 2-step SFT adapter gets right 1-3 times of 4 is the model's floats' business: two questions'
     # samples are pinned to 2 of 4 right
     wrong = "```sql\nSELECT 'pinned' AS wrong\n```"
     pins = root / "pins.json"

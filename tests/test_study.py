@@ -471,10 +471,11 @@ def stage_runs(root: Path, stage: str) -> int:
 @pytest.fixture(scope="module")
 def machines(policy, tmp_path_factory):
     """Three machines' checkouts. `a` and `b` split the study (`a` takes a-seed0's share, then `b` a-seed1's, given
-    the study folder as `a` committed it: the declaration, the records, the pinned start). `r` runs both cells in one invocation on a real
-    Ray cluster, given the start's record but not its pinned files: it makes the band again from scratch, which the
-    run checks against the record's fingerprint (refused if it differed), evaluates the start no more (its results
-    are in the record), and one of its cells runs on a worker killed mid-cell (study_faults.py)."""
+    the study folder as `a` committed it: the declaration, the records, the pinned start). `r` runs both cells in
+    one invocation on a real Ray cluster, given the start's record but not its pinned files: it makes the band again
+    from scratch, which the run checks against the record's fingerprint (refused if it differed), evaluates the
+    start no more (its results are in the record), and one of its cells runs on a worker killed mid-cell
+    (study_faults.py)."""
     tmp = tmp_path_factory.mktemp("machines")
     a, b, r = (clone(tmp / n, policy) for n in ("a", "b", "r"))
     # a cell's share is a hash of its id (stages/study.py share()): sha256("a-seed0") puts it in share 2 of 2,
