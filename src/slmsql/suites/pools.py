@@ -19,8 +19,13 @@ from slmsql.suites.schema import Schema
 COMPARED = (exp.EQ, exp.NEQ, exp.LT, exp.LTE, exp.GT, exp.GTE)
 
 
-def value_of(node):
-    """A literal's Python value (a negative number is Neg(Literal)); None when `node` is not a literal."""
+def value_of(node, names: frozenset = frozenset()):
+    """A literal's Python value (a negative number is Neg(Literal)); None when `node` is not a literal. A
+    double-quoted name that is none of the schema's column `names` is text, as SQLite reads it: Spider's golds
+    write `name = "Kyle"`, which sqlglot parses as a column."""
+    if isinstance(node, exp.Column) and not node.table and node.this.args.get("quoted") and \
+            node.name.lower() not in names:
+        return node.name
     neg = isinstance(node, exp.Neg)
     lit = node.this if neg else node
     if not isinstance(lit, exp.Literal):
@@ -74,21 +79,26 @@ def resolve(column: exp.Column, schema: Schema) -> list[tuple[str, str]]:
     return [(t, name) for t in tables if (t, name) in schema.columns]
 
 
-def _pairs(tree):
+def _is_column(node, names) -> bool:
+    return isinstance(node, exp.Column) and value_of(node, names) is None
+
+
+def _pairs(tree, names: frozenset):
     """(column node, [literal values]) for every comparison of a column with literals in `tree`."""
     for node in tree.walk():
         if isinstance(node, COMPARED):
             for col, lit in ((node.this, node.expression), (node.expression, node.this)):
-                if isinstance(col, exp.Column) and value_of(lit) is not None:
-                    v = value_of(lit)
+                if _is_column(col, names) and value_of(lit, names) is not None:
+                    v = value_of(lit, names)
                     yield col, [v - 1, v, v + 1] if _number(v) else [v]
-        elif isinstance(node, exp.In) and isinstance(node.this, exp.Column):
-            values = [value_of(e) for e in node.expressions]
+        elif isinstance(node, exp.In) and _is_column(node.this, names):
+            values = [value_of(e, names) for e in node.expressions]
             yield node.this, [x for v in values if v is not None for x in ([v - 1, v, v + 1] if _number(v) else [v])]
-        elif isinstance(node, exp.Like) and isinstance(node.this, exp.Column) and isinstance(value_of(node.expression), str):
-            yield node.this, like_matches(value_of(node.expression))
-        elif isinstance(node, exp.Between) and isinstance(node.this, exp.Column):
-            lo, hi = value_of(node.args.get("low")), value_of(node.args.get("high"))
+        elif isinstance(node, exp.Like) and _is_column(node.this, names) and \
+                isinstance(value_of(node.expression, names), str):
+            yield node.this, like_matches(value_of(node.expression, names))
+        elif isinstance(node, exp.Between) and _is_column(node.this, names):
+            lo, hi = value_of(node.args.get("low"), names), value_of(node.args.get("high"), names)
             values = [v for v in (lo, hi) if v is not None]
             if all(_number(v) for v in values) and len(values) == 2:
                 values = [lo - 1, lo, lo + 1, (lo + hi) / 2 if isinstance(lo + hi, float) else (lo + hi) // 2,
@@ -105,13 +115,14 @@ def literal_pools(schema: Schema, golds: list[str]) -> dict[tuple[str, str], lis
     in the order the golds give them (deterministic). Golds sqlglot cannot parse bring none (the stage refuses
     them before this)."""
     classes = schema.fk_classes()
+    names = frozenset(col for _, col in schema.columns)
     by_class: dict = {}
     for sql in golds:
         try:
             tree = sqlglot.parse_one(sql, read="sqlite")
         except sqlglot.errors.ParseError:
             continue
-        for col, values in _pairs(tree):
+        for col, values in _pairs(tree, names):
             for key in resolve(col, schema) if values else ():
                 pool = by_class.setdefault(classes[key], [])
                 pool += [v for v in values if v not in pool]

@@ -41,9 +41,14 @@ class Schema:
         self.db_id = entry.get("db_id")
         self.tables: list[Table] = []
         for t in tables_from_json(entry, source):
+            if t["name"].lower().startswith("sqlite_"):  # SQLite's own (world_1 lists sqlite_sequence): reserved
+                continue
             cols = tuple(Column(t["name"], c, typ) for c, typ, _ in t["columns"])
             self.tables.append(Table(t["name"], cols, tuple(dict.fromkeys(p.lower() for p in t["pk"])),
                                      tuple((c.lower(), p.lower(), pc.lower()) for c, p, pc in t["fks"])))
+        self.by_name = {t.name.lower(): t for t in self.tables}
+        self.tables = [Table(t.name, t.columns, t.pk, tuple(fk for fk in t.fks if fk[1] in self.by_name))
+                       for t in self.tables]
         self.by_name = {t.name.lower(): t for t in self.tables}
         self.columns = {c.key: c for t in self.tables for c in t.columns}
         self.order, self.deferred = self._order()
