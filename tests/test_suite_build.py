@@ -97,8 +97,8 @@ def test_gold_literals_land_in_their_columns_and_follow_foreign_keys(inputs):
     assert any("hey" in s.lower() for s in pools["singer", "song_name"])  # LIKE '%Hey%' made into matching text
     # a literal on a child's foreign key reaches the parent's key (and back); a double-quoted word is text
     more = literal_pools(schema, ['SELECT * FROM concert WHERE stadium_id = 7', 'SELECT * FROM singer AS T1 '
-                                  'WHERE T1.name = "Kyle"'])
-    assert 7 in more["stadium", "stadium_id"] and 7 in more["concert", "stadium_id"]
+                                  'WHERE T1.name = "Kyle"', 'SELECT name FROM stadium WHERE stadium_id > 40'])
+    assert {7, 41} <= set(more["stadium", "stadium_id"]) and {7, 41} <= set(more["concert", "stadium_id"])
     assert more["singer", "name"] == ["Kyle"]
 
 
@@ -224,7 +224,7 @@ def test_suite_build_cli_writes_the_suite_and_an_mlflow_run(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(DEV.read_text().splitlines()[0] + "\n{not json\n")
-    refused = subprocess.run([*cmd[:7], "--data", str(bad), "--output-dir", str(tmp_path / "never")], capture_output=True,
-                             text=True, env=env, cwd=tmp_path, timeout=900)
+    refused = subprocess.run([*cmd[:7], "--data", str(bad), "--output-dir", str(tmp_path / "never")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert refused.returncode == 2 and f"{bad}:2:" in refused.stderr and "malformed JSON" in refused.stderr
     assert not (tmp_path / "never").exists() and not (tmp_path / "never.partial").exists()

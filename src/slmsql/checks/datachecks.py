@@ -392,9 +392,10 @@ def _expect(kind: str, frames: dict, specs: list[dict], params: dict, suite_path
     return rows, seconds
 
 
-def validate_manifest(folder) -> Report:
+def validate_manifest(folder, shown=None) -> Report:
     """The `suite` checks (data_checks/suite.json) on a test suite's folder: its manifest.json's questions
-    (coverage a share, told apart within the neighbours, ...) and files (every one hashed, the hash the file's)."""
+    (coverage a share, told apart within the neighbours, ...) and files (every one hashed, the hash the file's).
+    `shown`: the manifest's name in the report (a stage checks its staging folder before it becomes the output)."""
     import pandas as pd
 
     suite = load_suite("suite")
@@ -410,7 +411,7 @@ def validate_manifest(folder) -> Report:
     for name in suite.get("derived", {}):  # all on the files frame
         files[name], files[f"{name}_detail"] = DERIVED[name](files, {"folder": folder})
     rows_, seconds = _expect("suite", {"rows": rows, "files": files}, suite["expectations"], {}, suite["path"])
-    report = Report("suite", str(path), all(r["success"] for r in rows_), rows_, len(rows),
+    report = Report("suite", str(shown or path), all(r["success"] for r in rows_), rows_, len(rows),
                     {"files": len(files)}, [], seconds)
     log.info("data check suite on %s: %s", path, "passed" if report.success else "FAILED")
     return report

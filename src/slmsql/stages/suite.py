@@ -39,7 +39,7 @@ def build(cfg: SuiteBuildConfig) -> dict:
             (st.work / ".candidates").rmdir()
             man = suites.manifest(params, built, {"tables": cfg.tables, "data": cfg.data})
             write_json(st.work / "manifest.json", man)
-            report = validate_manifest(st.work)
+            report = validate_manifest(st.work, shown=st.out / "manifest.json")
             write_json(st.work / "validation.json", report.to_json(), default=str)
             (st.work / "validation.md").write_text(safe_text(report.to_markdown()), encoding="utf-8")
             if not report.success:  # a manifest that fails its checks is a bug here: no output, a failed run

@@ -6,8 +6,8 @@ leaves the count: such a gold is listed as failed, such a neighbour is not one a
 candidates one by one, in index order: each runs every gold (a candidate where a gold fails, times out or is too
 large is skipped: on a kept database it would make that question unscorable) and every neighbour, judged by the
 project's one comparison (sql.scoring.judge, spider's rules, the sandbox's limits) on the pairs no kept database
-tells apart yet, and offered to `distill.Distiller`, which keeps it or not; past the cap no candidate is generated. Kept databases become
-`<db_id>.sqlite` (the first kept: what one-database EX uses), `<db_id>_1.sqlite`, ...
+tells apart yet, and offered to `distill.Distiller`, which keeps it or not; past the cap no candidate is generated.
+Kept databases become `<db_id>.sqlite` (the first kept: what one-database EX uses), `<db_id>_1.sqlite`, ...
 """
 
 from __future__ import annotations

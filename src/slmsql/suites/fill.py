@@ -80,8 +80,8 @@ def _draw(domain: list, literals: list, rng: random.Random):
 
 
 def _unique(col: Column, literals: list, n: int, rng: random.Random) -> list:
-    """n distinct values for a one-column primary key: literals first when drawn, then random ones, then
-    numbered ones when the random draws repeat (a text key 'Kalo7', an integer key past 100)."""
+    """n distinct values for a one-column primary key: gold literals and random values as any column draws them,
+    repeats skipped; when the draws keep repeating, numbered ones (101, 102, ... or 'Key1', 'Key2', ...)."""
     out, seen = [], set()
     for i in range(20 * n):
         if len(out) == n:
