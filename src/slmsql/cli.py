@@ -113,6 +113,23 @@ for _action, _cls in configs.STUDY_COMMANDS.items():
     study_group.add_command(_study_command(_action, _cls))
 
 
+@main.group("suite")
+def suite_group():
+    """Test suites built from Spider-format schemas and gold queries (docs/stages/suite.md)."""
+
+
+def _suite_command(action: str, cls):
+    def run(**values):
+        cfg = tracking.fetch_inputs(configs.load(cls, None, values))  # runs:/<id>/<path> inputs, as the stages'
+        return getattr(importlib.import_module(stage_module("suite")), action)(cfg)
+
+    return click.command(action, help=cls.__doc__)(_options(cls, recipe=False)(run))
+
+
+for _action, _cls in configs.SUITE_COMMANDS.items():
+    suite_group.add_command(_suite_command(_action, _cls))
+
+
 @main.command("mlproject")
 def mlproject_cmd():
     """Print the MLproject file generated from the stage configs."""
@@ -201,6 +218,8 @@ def reference_markdown() -> str:
     commands += [(f"study {action} FOLDER", cls, "FOLDER holds the study's study.yaml, which declares everything "
                   "else ([Study](stages/study.md)); no MLproject entry point, no recipe.")
                  for action, cls in configs.STUDY_COMMANDS.items()]
+    commands += [(f"suite {action}", cls, "[Test suites](stages/suite.md); no MLproject entry point, no recipe.")
+                 for action, cls in configs.SUITE_COMMANDS.items()]
     for stage, cls, intro in commands:
         hints = typing.get_type_hints(cls)
         out += [f"## `slmsql {stage}`", "", " ".join((cls.__doc__ or "").split()), "", intro, "",

@@ -569,6 +569,38 @@ class StudyReportConfig:
 STUDY_COMMANDS = {"run": StudyRunConfig, "report": StudyReportConfig}  # `slmsql study run|report FOLDER`
 
 
+@dataclass
+class SuiteBuildConfig(Common):
+    """Build test suites (Zhong, Yu and Klein, EMNLP 2020) from Spider-format schemas and gold queries: for each
+    db_id, generated databases distilled against each gold's near misses, written to OUT/<db_id>/*.sqlite with a
+    manifest (docs/stages/suite.md)."""
+
+    key_metrics: ClassVar = ("n_dbs", "coverage_mean", "n_empty")
+
+    tables: str = opt("", "Spider/BIRD tables.json: the schemas.", required=True)
+    data: str = opt("", "Questions with gold SQL: Spider's dev.json (a list with db_id, query, question) or the "
+                    "project's JSONL.", required=True)
+    db_ids: list[str] = opt([], "Comma-separated db_ids to build (default: every db_id the questions use).")
+    cap: int = opt(10, "Databases kept per db_id at most.")
+    candidates: int = opt(300, "Databases generated per db_id at most (distillation stops at the cap).")
+    sizes: list[int] = opt([5, 30], "Each candidate's tables hold 1 to B rows, B drawn per candidate from these.")
+    timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
+    workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core).")
+    output_dir: str = opt("outputs/suites", "Folder for <db_id>/<db_id>*.sqlite, manifest.json and the "
+                          "manifest's data check.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("cap", "candidates"):
+            if getattr(self, name) < 1:
+                raise DataError(f"must be >= 1, got {getattr(self, name)}", "command line", field=name)
+        if not self.sizes or min(self.sizes) < 1:
+            raise DataError(f"each size must be >= 1, got {self.sizes}", "command line", field="sizes")
+
+
+SUITE_COMMANDS = {"build": SuiteBuildConfig}  # `slmsql suite build`
+
+
 STAGES = {"toy": ToyConfig, "tiny-model": TinyModelConfig, "sft": SFTStageConfig, "filter": FilterConfig,
           "grpo": GRPOStageConfig, "evaluate": EvaluateConfig, "publish": PublishConfig,
           "validate": ValidateConfig, "pipeline": PipelineConfig, "sweep": SweepConfig, "plan": PlanConfig}

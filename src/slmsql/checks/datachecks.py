@@ -26,8 +26,9 @@ from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import db_id_problem, db_path, native_record, read_jsonl, safe_text
 
 log = logging.getLogger(__name__)
-KINDS = ("rl", "eval")
-FRAMES = ("rows", "summary")  # rows: the file itself; summary: one row of the filter's summary totals
+KINDS = ("rl", "eval", "suite")  # suite: a test suite's manifest.json (`validate_manifest`), not a data file
+FRAMES = ("rows", "summary", "files")  # rows: the file itself (suite: its questions); summary: one row of the
+# filter's summary totals; files: a suite's database files
 N_EXAMPLES = 5
 
 
@@ -220,8 +221,21 @@ def _in_eval_set(df, ctx):
     return [h is not None for h in hits], [f"also in {h}" if h else None for h in hits]
 
 
+def _hash_ok(files, ctx):
+    """A suite's files frame: the file is in the suite's folder and its sha256 is the manifest's."""
+    import hashlib
+
+    values, details = [], []
+    for name, digest in zip(files["name"], files["sha256"]):
+        p = Path(ctx["folder"]) / str(name)
+        got = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        values.append(got == digest)
+        details.append(None if got == digest else f"{p}: " + ("missing" if got is None else f"sha256 {got}"))
+    return values, details
+
+
 DERIVED = {"pass_rate_consistent": _pass_rate_consistent, "db_exists": _db_exists, "gold_ok": _gold_ok,
-           "in_eval_set": _in_eval_set}
+           "in_eval_set": _in_eval_set, "hash_ok": _hash_ok}
 
 
 # -------------------------------------------------------------------------------------------- GX + report
@@ -365,11 +379,51 @@ def _run_gx(kind: str, frames: dict, specs: list[dict], params: dict, suite_path
     return out, seconds
 
 
+def _expect(kind: str, frames: dict, specs: list[dict], params: dict, suite_path) -> tuple[list[dict], float]:
+    """GX on the frames -> (one result row per expectation, in the suite's order; seconds)."""
+    results, seconds = _run_gx(kind, frames, specs, params, suite_path)
+    rows = []
+    for s in specs:  # suite order, not GX's
+        r, frame = results[s["name"]]
+        rows.append({"expectation": s["name"], "description": s["description"].format_map(_Keep(params)),
+                     "success": bool(r.success), "unexpected_count": _py(r.result.get("unexpected_count")),
+                     "examples": [] if r.success else _examples(r.result, frame, s["kwargs"]),
+                     **({"error": _error(r.exception_info)} if _error(r.exception_info) else {})})
+    return rows, seconds
+
+
+def validate_manifest(folder, shown=None) -> Report:
+    """The `suite` checks (data_checks/suite.json) on a test suite's folder: its manifest.json's questions
+    (coverage a share, told apart within the neighbours, ...) and files (every one hashed, the hash the file's).
+    `shown`: the manifest's name in the report (a stage checks its staging folder before it becomes the output)."""
+    import pandas as pd
+
+    suite = load_suite("suite")
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read the manifest: {e}", path) from None
+    cols = suite.get("columns", {})
+    rows = pd.DataFrame(manifest.get("questions") or [], columns=cols.get("questions"))
+    rows.insert(0, "_line", range(len(rows)))
+    files = pd.DataFrame(manifest.get("files") or [], columns=cols.get("files"))
+    for name in suite.get("derived", {}):  # all on the files frame
+        files[name], files[f"{name}_detail"] = DERIVED[name](files, {"folder": folder})
+    rows_, seconds = _expect("suite", {"rows": rows, "files": files}, suite["expectations"], {}, suite["path"])
+    report = Report("suite", str(shown or path), all(r["success"] for r in rows_), rows_, len(rows),
+                    {"files": len(files)}, [], seconds)
+    log.info("data check suite on %s: %s", path, "passed" if report.success else "FAILED")
+    return report
+
+
 def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float = 0.2,
              high: float = 0.8, min_band: int = DEFAULT_DRAW.questions) -> Report:
     """Run the `kind` suite (data_checks/<kind>.json) on `data`. Bad files raise DataError; failed
     expectations do not raise: they are in the report. `min_band` (rl): the fewest rows the band may hold, what
     one GRPO optimizer step draws (configs.step_draw)."""
+    if kind == "suite":
+        raise SlmsqlError("the suite checks read a suite's folder: validate_manifest(folder)")
     suite = load_suite(kind)
     if kind == "rl" and not 0 <= low < high <= 1:
         raise SlmsqlError(f"need 0 <= low < high <= 1, got low={low} high={high}")
@@ -397,14 +451,7 @@ def validate(kind: str, data, db_root, *, summary=None, eval_sets=(), low: float
     skipped = [{"expectation": s["name"], "reason": f"no {s['needs']} given"}
                for s in suite["expectations"] if not given.get(s.get("needs"), True)]
 
-    results, seconds = _run_gx(kind, frames, specs, params, suite["path"])
-    rows = []
-    for s in specs:  # suite order, not GX's
-        r, frame = results[s["name"]]
-        rows.append({"expectation": s["name"], "description": s["description"].format_map(_Keep(params)),
-                     "success": bool(r.success), "unexpected_count": _py(r.result.get("unexpected_count")),
-                     "examples": [] if r.success else _examples(r.result, frame, s["kwargs"]),
-                     **({"error": _error(r.exception_info)} if _error(r.exception_info) else {})})
+    rows, seconds = _expect(kind, frames, specs, params, suite["path"])
     shown = {"low": low, "high": high, "min_band": min_band, "k": k_values} if kind == "rl" else {}
     shown.update({"db_root": str(db_root), "summary": str(summary) if summary else None,
                   "eval_sets": eval_sets})

@@ -186,7 +186,21 @@ def schema_text(db_file, example_values: int = 3, max_chars: int | None = None,
     return _fit_style(_read_db(db_file, examples), examples, max_chars, style)
 
 
-def _tables_from_json(entry: dict, source=None) -> list[dict]:
+def read_tables_json(path) -> dict[str, dict]:
+    """A Spider/BIRD tables.json: db_id -> its entry (checked by `tables_from_json` when used)."""
+    path = Path(path)
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read tables.json: {e}", path, getattr(e, "lineno", None)) from None
+    if not isinstance(entries, list):
+        raise DataError("expected a JSON list of databases", path)
+    return {e["db_id"]: e for e in entries if isinstance(e, dict) and "db_id" in e}
+
+
+def tables_from_json(entry: dict, source=None) -> list[dict]:
+    """A tables.json entry as [{name, columns: [(name, type, [])], pk: [names], fks: [(column, table, column)]}],
+    in the entry's order; a malformed entry raises DataError naming `source`."""
     db = entry.get("db_id") if isinstance(entry, dict) else None
     for key in ("table_names_original", "column_names_original", "column_types", "primary_keys", "foreign_keys"):
         if not isinstance(entry, dict) or not isinstance(entry.get(key), list):
@@ -210,7 +224,7 @@ def _tables_from_json(entry: dict, source=None) -> list[dict]:
 
 def schema_from_tables_json(entry: dict) -> str:
     """The same CREATE TABLE text from a Spider/BIRD tables.json entry (no example values there)."""
-    return "\n".join(_render(_tables_from_json(entry), 0))
+    return "\n".join(_render(tables_from_json(entry), 0))
 
 
 def build_messages(question: str, schema: str, evidence: str | None = None, system: bool = True) -> list[dict]:
@@ -253,14 +267,7 @@ class PromptBuilder:
         if self.tables_json is None:
             return None
         if self._entries is None:
-            path = Path(self.tables_json)
-            try:
-                entries = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                raise DataError(f"cannot read tables.json: {e}", path) from None
-            if not isinstance(entries, list):
-                raise DataError("expected a JSON list of databases", path)
-            self._entries = {e["db_id"]: e for e in entries if isinstance(e, dict) and "db_id" in e}
+            self._entries = read_tables_json(self.tables_json)
         return self._entries.get(db_id)
 
     def _keep(self, key: str, text: str, info: dict) -> str:
@@ -276,7 +283,7 @@ class PromptBuilder:
             # tables.json first, when given: it is how Spider/BIRD prompts are usually built (original names, no
             # example values), and the databases the answers run on are under db_root either way
             if (entry := self._entry(db_id)) is not None:
-                text, info = _fit_style(_tables_from_json(entry, self.tables_json), 0, self.max_chars, self.style)
+                text, info = _fit_style(tables_from_json(entry, self.tables_json), 0, self.max_chars, self.style)
                 info["source"] = "tables.json"
             elif path.is_file():
                 text, info = schema_text(path, self.example_values, self.max_chars, self.style)

@@ -27,17 +27,43 @@ class Distilled:
     empty: tuple[str, ...]  # question ids whose gold returns no rows on any kept database
 
 
+class Distiller:
+    """The rule, one candidate at a time: `offer` keeps a candidate that tells apart a pair no kept one does, or
+    fills a gold no kept one does, until `cap`. `told` and `filled` are what the kept ones cover so far: a builder
+    need not compute a candidate's pairs that are in `told` (they cannot make it kept)."""
+
+    def __init__(self, neighbours: dict[str, int], cap: int):
+        if cap < 1:
+            raise ValueError(f"cap must be >= 1, got {cap}")
+        self.neighbours, self.cap = neighbours, cap
+        self.kept: list[str] = []
+        self.told: set = set()
+        self.filled: set = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.kept) == self.cap
+
+    def offer(self, c: Candidate) -> bool:
+        if self.full or not (c.apart - self.told or c.nonempty - self.filled):
+            return False
+        self.kept.append(c.name)
+        self.told |= c.apart
+        self.filled |= c.nonempty
+        return True
+
+    def result(self) -> Distilled:
+        told = self.told
+        coverage = {q: (sum((q, i) in told for i in range(n)) / n if n else None) for q, n in self.neighbours.items()}
+        return Distilled(tuple(self.kept), coverage, tuple(q for q in self.neighbours if q not in self.filled))
+
+
 def distill(candidates, neighbours: dict[str, int], cap: int) -> Distilled:
-    """`neighbours`: question id -> how many neighbours it has (executable ones). `cap` >= 1."""
-    if cap < 1:
-        raise ValueError(f"cap must be >= 1, got {cap}")
-    kept, told, filled = [], set(), set()
+    """`neighbours`: question id -> how many neighbours it has (executable ones). `cap` >= 1. Candidates are taken
+    from the iterable only until the cap is reached."""
+    d = Distiller(neighbours, cap)
     for c in candidates:
-        if len(kept) == cap:
+        if d.full:
             break
-        if c.apart - told or c.nonempty - filled:
-            kept.append(c.name)
-            told |= c.apart
-            filled |= c.nonempty
-    coverage = {q: (sum((q, i) in told for i in range(n)) / n if n else None) for q, n in neighbours.items()}
-    return Distilled(tuple(kept), coverage, tuple(q for q in neighbours if q not in filled))
+        d.offer(c)
+    return d.result()

@@ -157,6 +157,26 @@ VOCABULARY = [
     ("success", ("validate",), "1 when every expectation passed"),
     ("n_rows", ("validate",), "rows validated"),
     ("gx_seconds", ("validate",), "Great Expectations validation time"),
+    ("n_dbs", ("suite build",), "db_ids a suite was built for"),
+    ("n_files", ("suite build",), "databases kept over all suites"),
+    ("n_questions", ("suite build",), "questions of those db_ids"),
+    ("n_empty", ("suite build",), "questions whose gold returns no rows on any database of its suite (listed by id "
+     "in the manifest)"),
+    ("n_gold_failed", ("suite build",), "questions whose gold does not run on its schema (listed by id in the "
+     "manifest)"),
+    ("n_neighbours", ("suite build",), "the golds' executable neighbours (near-miss queries), all questions"),
+    ("n_told_apart", ("suite build",), "neighbours whose result differs from their gold's on some database of the "
+     "suite"),
+    ("told_apart_share", ("suite build",), "`n_told_apart` / `n_neighbours`"),
+    ("coverage_mean", ("suite build",), "mean over questions with neighbours of the share of its neighbours the suite "
+     "tells apart"),
+    ("coverage_min", ("suite build",), "the lowest question's coverage"),
+    ("coverage_p10", ("suite build",), "10th percentile of the questions' coverage"),
+    ("coverage_p25", ("suite build",), "25th percentile of the questions' coverage"),
+    ("coverage_median", ("suite build",), "median of the questions' coverage"),
+    ("coverage_full_share", ("suite build",), "share of questions whose suite tells every neighbour apart"),
+    ("candidates_looked_at", ("suite build",), "databases generated (distillation stops a db_id at the cap)"),
+    ("candidates_skipped", ("suite build",), "generated databases set aside because a gold failed on them"),
     ("hub_new_commit", ("publish",), "1 when the push made a new Hub commit (0: the same files were there)"),
     ("variants", ("sweep",), "GRPO variants in the grid"),
     ("cells", ("sweep",), "variant x seed cells run or reused"),
