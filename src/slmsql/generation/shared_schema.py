@@ -21,6 +21,7 @@ batch copies): they take the plain path.
 from __future__ import annotations
 
 import inspect
+import time
 from contextlib import contextmanager
 
 import torch
@@ -33,7 +34,8 @@ def supported(model) -> bool:
     """Whether `model` computes the `prefix | padding | suffix` layout as the plain one: it must take position ids
     (else it would number columns, padding included) and attend fully on every layer (a window counts columns)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(inner.forward).parameters and shared_prefix.partial_attention(model) is None
+    takes_positions = "position_ids" in inspect.signature(inner.forward).parameters
+    return takes_positions and shared_prefix.partial_attention(model) is None
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -172,10 +174,11 @@ class Prefixes:
 def counting_prefill(model):
     """Counts, while open, the prompt work of `model`'s forwards: every forward outside `generate` (the prefix and
     suffix forwards here) and the first of each `generate` call; the decode steps after it are not counted. Yields
-    {"positions": rows x width computed (padding included), "tokens": the real ones (mask ones), "forwards": n}.
-    For the bench and the tests: what "each schema computed once" saves, in tokens rather than seconds."""
-    counts = {"positions": 0, "tokens": 0, "forwards": 0}
-    state = {"in_generate": False, "first": False}
+    {"positions": rows x width computed (padding included), "tokens": the real ones (mask ones), "forwards": n,
+    "seconds": the wall time those forwards took}.
+    For the bench and the tests: what "each schema computed once" saves, and where the rest of the time goes."""
+    counts = {"positions": 0, "tokens": 0, "forwards": 0, "seconds": 0.0}
+    state = {"in_generate": False, "first": False, "started": None}
     inner_generate = model.generate
 
     def wrapped_generate(*args, **kwargs):
@@ -195,14 +198,22 @@ def counting_prefill(model):
         counts["tokens"] += int(mask[:, -ids.size(1):].sum()) if isinstance(mask, torch.Tensor) and mask.ndim == 2 \
             else ids.numel()
         counts["forwards"] += 1
+        state["started"] = time.perf_counter()
+
+    def done(module, args, output):
+        if state["started"] is not None:
+            counts["seconds"] += time.perf_counter() - state["started"]
+            state["started"] = None
 
     own = vars(model).get("generate")  # a wrapper someone set on the instance stays after this one
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    after = model.register_forward_hook(done)
     model.generate = wrapped_generate
     try:
         yield counts
     finally:
         handle.remove()
+        after.remove()
         if own is None:
             del model.generate
         else:
