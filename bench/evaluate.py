@@ -15,6 +15,17 @@ tokens the one-at-a-time run generated (up to and including the end token), for 
 
     PYTHONPATH=src python bench/evaluate.py [--n 64] [--batch-size 16] [--max-new-tokens 64]
     python bench/evaluate.py --model Qwen/Qwen2.5-Coder-1.5B-Instruct --n 256 --max-new-tokens 256  # GPU
+
+`--shared-schema` measures instead each schema computed once (generation/shared_schema.py) against the plain
+path, on the same questions in one run: greedy, `--batch-size` both, prefill tokens counted on the model's forwards
+(`shared_schema.counting_prefill`: real tokens, and positions with padding), wall seconds, and how many answers
+differ (the near-tie rule, tests/neartie.py, says whether they may: the tests check it). With `--spider DIR` (Spider's
+dev.json and tables.json) the prompts are Spider's: its first `--n` dev questions, as `evaluate --limit` takes them,
+prompted from tables.json in omnisql style; `--plan-n` gives the prefill tokens of both paths for more questions,
+counted from the batches without generating (the tokens depend on the prompts only).
+
+    PYTHONPATH=src python bench/evaluate.py --shared-schema --spider .cache/spider \
+        --model HuggingFaceTB/SmolLM2-135M-Instruct --n 40 --max-new-tokens 128 --plan-n 300,1034
 """
 
 from __future__ import annotations
@@ -72,6 +83,82 @@ def timed(model, tokenizer, prompts, batch_size, max_new_tokens) -> tuple[list[s
     return [o[0] for o in out], time.perf_counter() - t0
 
 
+def plan_tokens(tokens: list[list[int]]) -> dict:
+    """Prefill tokens of both paths for these prompts, from the groups alone: plain computes every prompt whole,
+    shared each group's prefix once and every prompt's rest."""
+    from slmsql.generation.shared_schema import groups
+
+    found = groups(tokens)
+    shared = sum(share + sum(len(tokens[i]) - share for i in members) for share, members in found)
+    plain = sum(map(len, tokens))
+    return {"n": len(tokens), "groups": sum(1 for share, _ in found if share), "plain": plain, "shared": shared,
+            "ratio": round(plain / shared, 2)}
+
+
+def spider_prompts(spider: Path, n: int, tokenizer) -> list[str]:
+    """Spider's first `n` dev questions (as `evaluate --limit n` takes them), prompted from tables.json (omnisql)."""
+    builder = PromptBuilder(spider / "no-databases", tables_json=spider / "tables.json", style="omnisql")
+    return [render_prompt(tokenizer, builder.messages(ex)) for ex in read_gold(spider / "dev.json")[:n]]
+
+
+def shared_schema_main(args) -> dict:
+    from slmsql.generation.shared_schema import counting_prefill
+
+    t_setup = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="slmsql-bench-eval-") as tmp:
+        if args.spider:
+            model, tokenizer = load_model(args.model or "HuggingFaceTB/SmolLM2-135M-Instruct")
+            prompts = spider_prompts(Path(args.spider), args.n, tokenizer)
+            source = "spider-dev"
+        else:
+            toy, model_name = build_world(Path(tmp), args.model, args.seed)
+            model, tokenizer = load_model(model_name)
+            style = args.prompt_style or ("omnisql" if args.model else "compact")
+            builder = PromptBuilder(toy / "databases", example_values=3 if style == "omnisql" else 0, style=style)
+            prompts = [render_prompt(tokenizer, builder.messages(ex)) for ex in read_gold(toy / "dev.jsonl")[:args.n]]
+            source = "toy-dev"
+        tokens = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        print(f"{len(prompts)} {source} prompts ({min(map(len, tokens))}-{max(map(len, tokens))} tokens), "
+              f"max_new_tokens {args.max_new_tokens}, batch {args.batch_size}, {torch.get_num_threads()} threads; "
+              f"setup {time.perf_counter() - t_setup:.1f} s", flush=True)
+        kw = dict(temperature=0.0, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=False)
+        generate(model, tokenizer, prompts[:2], **{**kw, "max_new_tokens": 2})  # warm-up
+        runs = {}
+        for name, flag in (("plain", False), ("shared", True)):
+            with counting_prefill(model) as counted:
+                t0 = time.perf_counter()
+                out = generate(model, tokenizer, prompts, shared_schema=flag, **kw)
+                seconds = time.perf_counter() - t0
+            prefill_s = counted.pop("seconds")
+            runs[name] = {"seconds": round(seconds, 2), "prefill_seconds": round(prefill_s, 2), **counted,
+                          "answers": [o[0] for o in out]}
+            print(f"{name:6s} {seconds:8.1f} s (prefill {prefill_s:.1f} s)  prefill tokens {counted['tokens']:7d}  "
+                  f"positions {counted['positions']:7d}  forwards {counted['forwards']}", flush=True)
+        more = []
+        if args.spider and args.plan_n:
+            for n in map(int, args.plan_n.split(",")):
+                more.append(plan_tokens(tokenizer(spider_prompts(Path(args.spider), n, tokenizer),
+                                                  add_special_tokens=False)["input_ids"]))
+    plain, shared = runs["plain"], runs["shared"]
+    mismatches = sum(a != b for a, b in zip(plain.pop("answers"), shared.pop("answers")))
+    figures = {
+        "mode": "shared-schema", "source": source, "n": len(prompts), "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens, "model": args.model or ("HuggingFaceTB/SmolLM2-135M-Instruct"
+                                                                       if args.spider else "tiny-untrained"),
+        "threads": torch.get_num_threads(), "plan": plan_tokens(tokens), "plain": plain, "shared": shared,
+        "prefill_token_ratio": round(plain["tokens"] / shared["tokens"], 2),
+        "prefill_position_ratio": round(plain["positions"] / shared["positions"], 2),
+        "speedup": round(plain["seconds"] / shared["seconds"], 2), "mismatches": mismatches, "plan_more": more,
+    }
+    print(f"prefill tokens {figures['prefill_token_ratio']}x fewer, wall {figures['speedup']}x faster; "
+          f"{mismatches} of {len(prompts)} answers differ")
+    for p in more:
+        print(f"at {p['n']} questions: {p['groups']} groups, prefill tokens {p['plain']} -> {p['shared']} "
+              f"({p['ratio']}x fewer)")
+    print(json.dumps(figures))
+    return figures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=64, help="dev questions to generate for")
@@ -81,7 +168,15 @@ def main(argv=None):
     ap.add_argument("--prompt-style", default="", choices=("", "compact", "omnisql"),
                     help="default: compact for the tiny model, omnisql for --model")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shared-schema", action="store_true",
+                    help="measure each schema computed once against the plain path (module docstring)")
+    ap.add_argument("--spider", default="",
+                    help="with --shared-schema: a folder with Spider's dev.json and tables.json")
+    ap.add_argument("--plan-n", default="", help="with --spider: comma-separated question counts whose prefill tokens "
+                                                 "are counted from the batches alone, e.g. 300,1034")
     args = ap.parse_args(argv)
+    if args.shared_schema:
+        return shared_schema_main(args)
     style = args.prompt_style or ("omnisql" if args.model else "compact")
     torch.manual_seed(args.seed)
 

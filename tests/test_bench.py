@@ -61,6 +61,19 @@ def test_evaluate_bench_batched_equals_single():
     quotient(fig["speedup"], fig["seconds"]["single"], fig["seconds"]["batched"], 2, 3, 3)
 
 
+@pytest.mark.slow  # loads a model and generates, twice (each schema once, then every prompt whole)
+def test_evaluate_bench_shared_schema_counts_both_paths():
+    fig = run_bench("evaluate.py", "--shared-schema", "--n", "12", "--batch-size", "4", "--max-new-tokens", "8")
+    assert fig["mode"] == "shared-schema" and fig["source"] == "toy-dev" and fig["n"] == 12
+    plain, shared, plan = fig["plain"], fig["shared"], fig["plan"]
+    # the counted prefill is what the plan says: every prompt whole, or each group's prefix once and every rest
+    assert (plain["tokens"], shared["tokens"]) == (plan["plain"], plan["shared"])
+    assert shared["tokens"] <= plain["tokens"] and plain["forwards"] == 3  # 12 prompts in batches of 4
+    quotient(fig["prefill_token_ratio"], plain["tokens"], shared["tokens"], 2)
+    quotient(fig["speedup"], plain["seconds"], shared["seconds"], 2, 2, 2)
+    assert 0 <= fig["mismatches"] <= 12  # the tiny model's answers: the near-tie rule is tests/test_shared_schema.py's
+
+
 @pytest.fixture(scope="module")
 def grpo_gpu_tiny() -> dict:
     """One run of the GPU check at its tiny shape with every arm a CPU runs, for the two tests below (a run per test

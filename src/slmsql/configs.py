@@ -131,6 +131,10 @@ class Model(Backend, Precision, PolicyPrompt):
     model: str = opt("", "Base model: a Hub id or a local path (default: the embedded tiny model).")
     adapter: str = opt("", "Optional PEFT adapter (path) applied on top of the model.")
     batch_size: int = opt(16, "Prompts per generation batch.")
+    shared_schema: bool = opt(True, "transformers: batch the questions whose prompts share a token prefix (their "
+                              "database's schema) together, compute that prefix once per group and generate each "
+                              "question from a copy of its cache (the same computation in another float order). "
+                              "false: every prompt computed whole. vLLM shares prefixes itself (prefix caching).")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
     limit: int = opt(0, "Use only the first N questions of --data (0: all).")
 

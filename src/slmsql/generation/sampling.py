@@ -22,6 +22,7 @@ from transformers import LogitsProcessorList
 
 from slmsql.errors import SlmsqlError
 from slmsql.generation import shared_prefix
+from slmsql.generation import shared_schema as shared_schema_module
 from slmsql.inputs.data import Example
 from slmsql.inputs.prompts import builder_for, render_prompt
 from slmsql.policy.models import stop_ids
@@ -103,6 +104,7 @@ def generate(
     backend: str = "transformers",
     keys: list[str] | None = None,
     share_prefill: bool = True,
+    shared_schema: bool = True,
 ) -> list[list[str]]:
     """Return, for each prompt in the given order, `num_return_sequences` decoded completions.
 
@@ -113,8 +115,10 @@ def generate(
     question ids; default: the prompt text), so it does not depend on the batch, the call, or what ran before.
     With the transformers backend, prompts are batched longest first (least padding), `batch_size` prompts
     (x K samples) per batch, each prompt prefilled once for its K samples (`share_prefill`; the same
-    distribution, computed once: `shared_prefix.generate`). With backend 'vllm', `model` is a
-    `vllm_engine.Engine` (see generation/vllm_engine.py).
+    distribution, computed once: `shared_prefix.generate`). `shared_schema` (with `share_prefill`): prompts that
+    share a token prefix (a database's schema) are batched together and the prefix computed once per group
+    (`shared_schema`: the same computation in another float order, near-ties aside). With backend 'vllm', `model` is a
+    `vllm_engine.Engine` (see generation/vllm_engine.py), whose prefix caching shares prefixes itself.
     """
     _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
                 batch_size)
@@ -136,8 +140,12 @@ def generate(
     if not prompts:
         return []
 
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    order = sorted(range(len(prompts)), key=lambda i: -lengths[i])
+    tokens = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if shared_schema and share_prefill and len(prompts) > 1 and shared_schema_module.supported(model):
+        batches = shared_schema_module.plan(tokens, batch_size)
+    else:
+        order = sorted(range(len(prompts)), key=lambda i: -len(tokens[i]))
+        batches = [[(i, 0) for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
     sampling = temperature > 0
     # Greedy decoding gives one answer; sampling repeats each prompt K times (rows prompt-major) and lets
     # _RowSampler choose every token, so transformers itself runs its greedy step (do_sample=False: none of
@@ -154,29 +162,38 @@ def generate(
     )
     model.eval()
     results: list[list[str] | None] = [None] * len(prompts)
+    prefixes = shared_schema_module.Prefixes(model, tokens, batches)
     with torch.inference_mode(), tqdm(total=len(prompts), unit="prompt", disable=not progress, desc="generate") as bar:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            enc = tokenizer(
-                [prompts[i] for i in idx], return_tensors="pt", padding=True, padding_side="left",
-                add_special_tokens=False,
-            ).to(model.device)
+        for b, batch in enumerate(batches):
+            idx = [i for i, _ in batch]
+            enc = _left_padded([tokens[i][share:] for i, share in batch], tokenizer.pad_token_id, model.device)
             extra = {}
             if sampling:
                 enc = {k: v.repeat_interleave(n_gen, dim=0) for k, v in enc.items()}
                 seeds = [sample_seed(seed, keys[i], s) for i in idx for s in range(n_gen)]
                 extra["logits_processor"] = LogitsProcessorList([_RowSampler(seeds, temperature, top_p, top_k, min_p)])
-            if share_prefill:  # a prompt's K sample rows prefilled once (shared_prefix.generate)
+            head = prefixes.width(b)
+            if head:  # each group's prefix computed once, the batch generating from copies of the caches
+                out = prefixes.generate(b, model.generate, **enc, n_gen=n_gen, **gen_kwargs, **extra)
+            elif share_prefill:  # a prompt's K sample rows prefilled once (shared_prefix.generate)
                 out = shared_prefix.generate(model.generate, model, **enc, **gen_kwargs, **extra)
             else:
                 out = model.generate(**enc, **gen_kwargs, **extra)
             # Left padding: every row's prompt ends at the same column, so the completion starts there.
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            texts = tokenizer.batch_decode(out[:, head + enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for j, i in enumerate(idx):
                 # generate groups the samples of a prompt together; greedy repeats its single answer
                 results[i] = texts[j * n_gen : (j + 1) * n_gen] * (num_return_sequences // n_gen)
             bar.update(len(idx))
     return results
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Token rows left-padded to one width, as the tokenizer pads them (`padding_side="left"`)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
@@ -193,7 +210,8 @@ def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1
     model, tokenizer = model_and_tokenizer
     return generate(model, tokenizer, prompts, num_return_sequences=k, **(sampling or {}),
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                    seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress)
+                    seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress,
+                    shared_schema=cfg.shared_schema)
 
 
 def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, sampling: dict | None = None,
