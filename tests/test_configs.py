@@ -49,15 +49,20 @@ def test_bad_recipes(tmp_path, doc, match):
 def test_every_recipe_in_repo_loads():
     from pathlib import Path
 
-    # recipes/<model>/<stage>.yaml; accelerate/ holds launcher configs; rewards/ GRPO reward sets
+    # recipes/<model>/<stage>.yaml; accelerate/ holds launcher configs; rewards/ GRPO reward sets; eval-sets/
+    # evaluate recipes naming an eval set
     root = Path(__file__).parents[1] / "recipes"
-    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name not in ("accelerate", "rewards"))
+    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name not in ("accelerate", "rewards", "eval-sets"))
     reward_sets = sorted((root / "rewards").glob("*.yaml"))
-    assert recipes and reward_sets
+    eval_sets = sorted((root / "eval-sets").glob("*.yaml"))
+    assert recipes and reward_sets and eval_sets
     for path in recipes:
         configs.load(configs.STAGES[path.stem], str(path), {}, require=False)
     for path in reward_sets:
         configs.load(configs.GRPOStageConfig, str(path), {}, require=False)
+    for path in eval_sets:
+        cfg = configs.load(configs.EvaluateConfig, str(path), {}, require=False)
+        assert cfg.dataset_name == path.stem  # the set's name is its file's
 
 
 def test_cli_missing_required_exits_nonzero():

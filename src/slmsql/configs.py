@@ -585,8 +585,8 @@ class SuiteBuildConfig(Common):
     data: str = opt("", "Questions with gold SQL: Spider's dev.json (a list with db_id, query, question) or the "
                     "project's JSONL.", required=True)
     db_ids: list[str] = opt([], "Comma-separated db_ids to build (default: every db_id the questions use).")
-    cap: int = opt(10, "Databases kept per db_id at most.")
-    candidates: int = opt(300, "Databases generated per db_id at most (distillation stops at the cap).")
+    cap: int = opt(20, "Databases kept per db_id at most (chosen from those the scan pooled).")
+    candidates: int = opt(300, "Databases generated per db_id at most (fewer once every pair is told apart and every gold has rows).")
     sizes: list[int] = opt([5, 30], "Each candidate's tables hold 1 to B rows, B drawn per candidate from these.")
     timeout_s: float = opt(5.0, "Per-query execution deadline in seconds.")
     workers: int = opt(0, "Sandbox worker processes (0 = one per CPU core).")

@@ -5,9 +5,10 @@ or a neighbour that does not run on the schema itself (an empty database of it: 
 leaves the count: such a gold is listed as failed, such a neighbour is not one a suite can tell apart. Then
 candidates one by one, in index order: each runs every gold (a candidate where a gold fails, times out or is too
 large is skipped: on a kept database it would make that question unscorable) and every neighbour, judged by the
-project's one comparison (sql.scoring.judge, spider's rules, the sandbox's limits) on the pairs no kept database
-tells apart yet, and offered to `distill.Distiller`, which keeps it or not; past the cap no candidate is generated.
-Kept databases become `<db_id>.sqlite` (the first kept: what one-database EX uses), `<db_id>_1.sqlite`, ...
+project's one comparison (sql.scoring.judge, spider's rules, the sandbox's limits) on the pairs no pooled database
+tells apart yet, and offered to `distill.Distiller`, which pools it or not; all `candidates` are generated unless
+the pool has told every pair apart and filled every gold. The Distiller then selects up to `cap` of the pool.
+Kept databases become `<db_id>.sqlite` (the first chosen: what one-database EX uses), `<db_id>_1.sqlite`, ...
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from slmsql.suites.schema import Schema
 @dataclass(frozen=True)
 class Params:
     seed: int = 0
-    cap: int = 10            # databases kept per db_id at most
+    cap: int = 20            # databases kept per db_id at most
     candidates: int = 300    # candidates generated per db_id at most
     sizes: tuple = (5, 30)   # each candidate's tables hold 1..bound rows, bound drawn from these
 
@@ -109,7 +110,7 @@ def build_suite(entry: dict, questions: list, folder: Path, scratch: Path, param
 
     dist = Distiller({q.id: len(near[q.id]) for q in live}, params.cap)
     for i in range(params.candidates):
-        if dist.full:
+        if dist.complete:
             break
         path = scratch / f"{db_id}.candidate{i:04d}.sqlite"
         fill.write(path, schema, fill.generate(schema, pools, list(params.sizes), fill.rng_for(params.seed, db_id, i)))
@@ -120,7 +121,7 @@ def build_suite(entry: dict, questions: list, folder: Path, scratch: Path, param
         if bad is not None:
             out.skipped.append({"candidate": i, "reason": f"gold {bad[0].id}: {bad[1].status}: {bad[1].error}"})
             continue
-        # only the pairs no kept database tells apart yet: the others cannot make this one kept (Distiller)
+        # only the pairs no pooled database tells apart yet: the others cannot pool this one (Distiller)
         pairs = [(q, j) for q in live for j in range(len(near[q.id])) if (q.id, j) not in dist.told]
         outs = judge([(path, near[q.id][j], q.sql) for q, j in pairs], executor, "spider")
         apart = frozenset((q.id, j) for (q, j), o in zip(pairs, outs) if o.status == "ok" and not o.correct)

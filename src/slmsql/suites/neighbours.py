@@ -8,6 +8,9 @@ that tell apart neighbours no kept database does yet. Written from the paper's d
 Changes, each applied at one place of the parsed gold at a time (`KINDS`):
 - drop:       drop a span: one conjunct of an AND/OR, a WHERE, HAVING, ORDER BY, LIMIT, DISTINCT, GROUP BY,
               or one column of a select list of several;
+- distinct:   add DISTINCT to a select without it that can return several rows (the inverse of dropping it; not in the paper's list): without
+              it no kept database need hold a gold's duplicate rows, and a prediction that loses them (an IN
+              subquery for a join) is called right where the real database calls it wrong;
 - aggregate:  COUNT, SUM, AVG, MIN, MAX for one another;
 - comparison: =, !=, <, <=, >, >= for one another;
 - order:      ASC for DESC and back;
@@ -29,7 +32,7 @@ from sqlglot import exp
 
 AGGREGATES = (exp.Count, exp.Sum, exp.Avg, exp.Min, exp.Max)
 COMPARISONS = (exp.EQ, exp.NEQ, exp.LT, exp.LTE, exp.GT, exp.GTE)
-KINDS = ("drop", "aggregate", "comparison", "order", "logic", "like", "in", "column", "literal")
+KINDS = ("drop", "distinct", "aggregate", "comparison", "order", "logic", "like", "in", "column", "literal")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ def _swaps(node, schema, tables):
             yield kind, lambda n: n.replace(n.this.copy())
     if isinstance(node, (exp.Where, exp.Having, exp.Order, exp.Limit, exp.Group, exp.Distinct)):
         yield "drop", lambda n: n.pop()
+    if isinstance(node, exp.Select) and not node.args.get("distinct") and not _one_row(node):
+        yield "distinct", lambda n: n.set("distinct", exp.Distinct())
     if isinstance(node, exp.Select) and len(node.expressions) > 1:
         for i in range(len(node.expressions)):
             yield "drop", lambda n, i=i: n.expressions[i].pop()
@@ -92,6 +97,12 @@ def _swaps(node, schema, tables):
             text = node.this
             changed = ("b" if text[0] == "a" else "a") + text[1:] if text[0] not in "%_" else text[0] + "x" + text[1:]
             yield "literal", lambda n, t=changed: n.replace(exp.Literal.string(t))
+
+
+def _one_row(select) -> bool:
+    """An aggregate without GROUP BY returns one row, which DISTINCT cannot change."""
+    return not select.args.get("group") and all(
+        isinstance(e.unalias(), exp.AggFunc) for e in select.expressions)
 
 
 def _tables(tree) -> dict[str, str]:
