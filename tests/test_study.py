@@ -614,8 +614,10 @@ def test_a_declaration_changed_after_its_records_is_refused_by_name_until_amende
         shutil.copy(tmp_path / "dev.jsonl", tmp_path / "same.jsonl")
         path.write_text(text.replace(f"name: dev, data: {tmp_path / 'dev.jsonl'}",
                                      f"name: dev, data: {tmp_path / 'same.jsonl'}"))
-    elif change == "databases":
-        (Path(s.db_root) / "shop" / "notes.txt").write_text("a file added to the databases")
+    elif change == "databases":  # a database added to shop's suite (a file that is no database changes nothing)
+        (Path(s.db_root) / "shop" / "notes.txt").write_text("not a database: read by no stage")
+        records.read(spec.load(folder))
+        shutil.copy(Path(s.db_root) / "shop" / "shop.sqlite", Path(s.db_root) / "shop" / "shop_1.sqlite")
     with pytest.raises(DataError, match="differs from the declaration its records were made under") as e:
         records.read(spec.load(folder))
     assert e.value.path == records.path_of(s, records.START) and e.value.field == "declaration"

@@ -46,7 +46,8 @@ def build(cfg: SuiteBuildConfig) -> dict:
                 raise SlmsqlError(report.failure_message())
         for name in ("manifest.json", "validation.json", "validation.md"):
             mlflow.log_artifact(str(st.out / name))
-        mlflow.log_metrics({k: float(v) for k, v in man["summary"].items() if v is not None})
+        mlflow.log_metrics({k: float(v) for k, v in man["summary"].items() if v is not None}
+                           | {"build_seconds": sum(b.seconds for b in built)})
         s = man["summary"]
         print(f"suite build: {s['n_files']} databases for {s['n_dbs']} db_id(s), {s['n_questions']} questions; "
               f"neighbours told apart {s['n_told_apart']} of {s['n_neighbours']}; {s['n_empty']} gold(s) empty on "

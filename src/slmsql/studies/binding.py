@@ -31,9 +31,11 @@ def sha256_file(path) -> str:
 
 
 def tree_sha256(folder) -> str:
-    """One hash of a folder's contents: each file's path inside it and its bytes (the databases a study reads)."""
+    """One hash of the databases a study reads under a folder: each `*.sqlite` file's path inside it and its bytes
+    (a test suite is every *.sqlite of <db_id>/). Other files are not read by any stage, and a suite's manifest
+    and check reports hold build times, which would make one machine's `make spider` refuse another's records."""
     folder = Path(folder)
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = sorted(p for p in folder.rglob("*.sqlite") if p.is_file())
     return hashlib.sha256("".join(f"{p.relative_to(folder).as_posix()}\0{sha256_file(p)}\n"
                                   for p in files).encode()).hexdigest()
 

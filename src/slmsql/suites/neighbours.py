@@ -100,7 +100,10 @@ def _swaps(node, schema, tables):
 
 
 def _one_row(select) -> bool:
-    """An aggregate without GROUP BY returns one row, which DISTINCT cannot change."""
+    """DISTINCT cannot change an aggregate without GROUP BY (one row), nor an operand of UNION, INTERSECT or EXCEPT
+    (the set operation drops duplicates itself; UNION ALL keeps them)."""
+    if isinstance(select.parent, exp.SetOperation) and select.parent.args.get("distinct", True):
+        return True
     return not select.args.get("group") and all(
         isinstance(e.unalias(), exp.AggFunc) for e in select.expressions)
 

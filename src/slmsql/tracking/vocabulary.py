@@ -175,7 +175,10 @@ VOCABULARY = [
     ("coverage_p25", ("suite build",), "25th percentile of the questions' coverage"),
     ("coverage_median", ("suite build",), "median of the questions' coverage"),
     ("coverage_full_share", ("suite build",), "share of questions whose suite tells every neighbour apart"),
-    ("candidates_looked_at", ("suite build",), "databases generated (distillation stops a db_id at the cap)"),
+    ("candidates_looked_at", ("suite build",), "databases generated (a db_id stops early once every pair is told "
+                                               "apart and every gold has rows)"),
+    ("build_seconds", ("suite build",), "wall time of the build, every db_id (not in the manifest, which a seed "
+                                        "fixes byte for byte)"),
     ("candidates_skipped", ("suite build",), "generated databases set aside because a gold failed on them"),
     ("hub_new_commit", ("publish",), "1 when the push made a new Hub commit (0: the same files were there)"),
     ("variants", ("sweep",), "GRPO variants in the grid"),
