@@ -97,7 +97,8 @@ def _eval(s: Steps, study: Study, name: str, loads: dict, band: str, tags: dict,
 
 
 def _results(s: Steps, runs: dict) -> dict:
-    return {name: records.results(read_jsonl(s.artifact(run, "results.jsonl"))) for name, run in runs.items()}
+    return {name: records.results(read_jsonl(s.artifact(run, "results.jsonl")), run.data.params.get("match", "bird"))
+            for name, run in runs.items()}
 
 
 def inputs(study: Study, band: str) -> dict:

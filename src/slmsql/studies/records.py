@@ -58,9 +58,13 @@ def sql_hash(sql) -> str:
     return hashlib.sha256(str(sql or "").encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def results(rows) -> dict:
-    """results.jsonl rows -> {question id: [correct, sql hash]}."""
-    return {str(r["id"]): [bool(r["correct"]), sql_hash(r.get("predicted_sql"))] for r in rows}
+def results(rows, match: str) -> dict:
+    """results.jsonl rows -> {question id: [correct, sql hash]}, the rows EX counts only: under test-suite a
+    question whose gold cannot be judged on its suite is left out, as evaluate leaves it out of n (it is never a
+    wrong answer)."""
+    from slmsql.sql.scoring import split_scored
+
+    return {str(r["id"]): [bool(r["correct"]), sql_hash(r.get("predicted_sql"))] for r in split_scored(rows, match)[0]}
 
 
 def make(study: Study, cell: str, *, config: dict, start: dict, code_version: str, results: dict, metrics: dict,
