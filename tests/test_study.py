@@ -316,7 +316,7 @@ class FakeSteps:
             prompt = lambda q: [{"role": "user", "content": f"Database schema:\n...\n\nQuestion: {q}\n"}]  # noqa: E731
             pd.DataFrame({"step": range(1, len(self.drawn) + 1), "prompt": [prompt(q) for q in self.drawn]}).to_parquet(
                 grpo / "completions" / "completions_00001.parquet")
-        return SimpleNamespace(info=SimpleNamespace(run_id=f"{stage}-{name}"), data=SimpleNamespace(metrics={}))
+        return SimpleNamespace(info=SimpleNamespace(run_id=f"{stage}-{name}"), data=SimpleNamespace(metrics={}, params={k: str(v) for k, v in params.items()}))
 
     def uri(self, run, path):
         return f"runs:/{run.info.run_id}/{path}"
