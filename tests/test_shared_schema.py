@@ -7,14 +7,14 @@ toy world's schemas (slow, skipped when not in the cache but under CI); evaluate
 
 from __future__ import annotations
 
-import json
-import sqlite3
-import subprocess
 import sys
 
 import pytest
+import schemas
+import watched
 from ci_env import in_ci
 from neartie import DrawMargins, assert_greedy_same_but_near_ties, assert_samples_same_but_near_ties
+from schemas import QUESTIONS
 
 from slmsql.configs import EvaluateConfig
 from slmsql.generation import shared_schema
@@ -22,35 +22,12 @@ from slmsql.generation.sampling import generate
 from slmsql.inputs.data import read_jsonl
 from slmsql.inputs.prompts import PromptBuilder, render_prompt
 from slmsql.policy.models import load_model
-from slmsql.toy.tiny_model import build_tiny_model
-
-SCHEMAS = {
-    "shop": "CREATE TABLE item (id INTEGER PRIMARY KEY, name TEXT, price REAL, kind TEXT);"
-            "CREATE TABLE sale (id INTEGER PRIMARY KEY, item_id INTEGER REFERENCES item(id), qty INTEGER);",
-    "school": "CREATE TABLE pupil (id INTEGER PRIMARY KEY, name TEXT, age INTEGER, class TEXT);",
-    "zoo": "CREATE TABLE animal (id INTEGER PRIMARY KEY, species TEXT, legs INTEGER);",
-}
-QUESTIONS = [("shop", "How many items are there?"), ("shop", "Name the cheapest item."),
-             ("shop", "What is the total quantity sold?"), ("shop", "List the kinds of items."),
-             ("shop", "Which item sold the most?"), ("school", "How many pupils are older than 10?"),
-             ("school", "List the names of pupils in class A."), ("school", "What is the average age?"),
-             ("zoo", "How many animals have four legs?")]  # zoo: one question, nothing to share
-TINY = dict(vocab_size=300, hidden=32, layers=2, heads=4, ffn=64)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Three databases, questions on them as gold JSONL, and a tiny untrained model whose BPE knows their words."""
-    root = tmp_path_factory.mktemp("schemas")
-    for db, ddl in SCHEMAS.items():
-        (root / "dbs" / db).mkdir(parents=True)
-        with sqlite3.connect(root / "dbs" / db / f"{db}.sqlite") as con:
-            con.executescript(ddl)
-        con.close()
-    gold = [{"id": f"q{i}", "db_id": db, "question": q, "sql": "SELECT 1"} for i, (db, q) in enumerate(QUESTIONS)]
-    (root / "gold.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gold))
-    model = build_tiny_model(root / "tiny", [*SCHEMAS.values(), *(q for _, q in QUESTIONS)] * 4, **TINY)
-    return root, model
+    """Three databases, questions on them as gold JSONL, and a tiny untrained model (tests/schemas.py)."""
+    return schemas.build(tmp_path_factory.mktemp("schemas"))
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +122,8 @@ def test_evaluate_through_the_cli_with_and_without_it(world, tmp_path):
     root, folder = world
     common = ["--model", str(folder), "--data", str(root / "gold.jsonl"), "--db-root", str(root / "dbs"),
               "--max-new-tokens", "8", "--batch-size", "4", "--workers", "1"]
-    proc = subprocess.run([sys.executable, "-m", "slmsql.cli", "evaluate", *common, "--shared-schema", "false",
-                           "--output-dir", str(tmp_path / "plain")], capture_output=True, text=True, timeout=900)
+    proc = watched.run([sys.executable, "-m", "slmsql.cli", "evaluate", *common, "--shared-schema", "false",
+                        "--output-dir", str(tmp_path / "plain")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     evaluate.main(EvaluateConfig(model=str(folder), data=str(root / "gold.jsonl"), db_root=str(root / "dbs"),
                                  max_new_tokens=8, batch_size=4, workers=1, output_dir=str(tmp_path / "shared")))

@@ -74,14 +74,16 @@ class Work:
         """The filter's sampling settings (configs.Sampling); None: evaluate's greedy decoding."""
         return self.cfg.sampling() if self.stage == "filter" else None
 
-    def generate(self, examples: list[Example], policy, progress: bool = True) -> dict[str, object]:
-        """id -> payload. The filter skips questions whose database is missing (scored as errors)."""
+    def generate(self, examples: list[Example], policy, progress: bool = True, known: dict | None = None,
+                 on_answers: Callable | None = None) -> dict[str, object]:
+        """id -> payload. The filter skips questions whose database is missing (scored as errors). Evaluate
+        resumes: `known` answers are not generated again, `on_answers` gets each batch's (generation.predict)."""
         from slmsql.generation import sampling as generation
         from slmsql.inputs.data import db_path
 
         cfg = self.cfg
         if self.stage == "evaluate":
-            return generation.predict(cfg, examples, policy, progress=progress)
+            return generation.predict(cfg, examples, policy, progress=progress, known=known, on_answers=on_answers)
         have_db = [e for e in examples if db_path(cfg.db_root, e.db_id).is_file()]
         if not have_db:
             return {}
@@ -116,11 +118,14 @@ def gpu_memory_utilization(gpus: float) -> float | None:
 
 
 def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], None], *,
-        payloads: dict[str, object] | None = None, chunk: int | None = None, policy=None) -> None:
+        payloads: dict[str, object] | None = None, chunk: int | None = None, policy=None,
+        known: dict[str, object] | None = None, on_answers: Callable[[dict], None] | None = None) -> None:
     """Score every example exactly once; `on_rows` gets each finished batch (in any order on Ray).
     `payloads` given (evaluate --predictions): nothing is generated. Local engine: `chunk` questions per
     round (default: all at once), `policy` the model `check` loaded (else loaded here). The precision the
-    policy generated in, on either backend and engine, is the active MLflow run's slmsql.dtype tag."""
+    policy generated in, on either backend and engine, is the active MLflow run's slmsql.dtype tag.
+    Evaluate's resume: `on_answers` gets answers by id as soon as they exist (a generation batch, a Ray shard),
+    `known` gives back those of a killed run, scored again but not generated again."""
     seen: set[str] = set()
     dtypes: set[str] = set()
 
@@ -135,9 +140,17 @@ def run(work: Work, examples: list[Example], on_rows: Callable[[list[Item]], Non
     if not examples:
         return
     if work.cfg.engine == "ray":
-        _run_ray(work, examples, accept, payloads, dtypes)
+        if known:  # Ray batches as it schedules: what a killed run answered is scored here, the rest runs there
+            _run_local(work, [e for e in examples if e.id in known], accept, known, len(examples), None, dtypes)
+        def report(items: list[Item]) -> None:
+            if on_answers:
+                on_answers({e.id: p for e, p, _ in items})
+            accept(items)
+
+        if todo := [e for e in examples if e.id not in (known or {})]:
+            _run_ray(work, todo, report, payloads, dtypes)
     else:
-        _run_local(work, examples, accept, payloads, chunk or len(examples), policy, dtypes)
+        _run_local(work, examples, accept, payloads, chunk or len(examples), policy, dtypes, known, on_answers)
     if dtypes - {""}:
         from slmsql.policy.models import tag_dtype
 
@@ -177,7 +190,7 @@ def check(work: Work, generating: bool, examples: list[Example] = ()):
 
 # ---- local -------------------------------------------------------------------------------------------------
 
-def _run_local(work, examples, on_rows, payloads, chunk, policy, dtypes):
+def _run_local(work, examples, on_rows, payloads, chunk, policy, dtypes, known=None, on_answers=None):
     from slmsql.sql.sandbox import SandboxPool
 
     if payloads is None and policy is None:
@@ -187,7 +200,8 @@ def _run_local(work, examples, on_rows, payloads, chunk, policy, dtypes):
     with SandboxPool(work.cfg.workers or None, work.limits()) as pool:
         for start in range(0, len(examples), chunk):
             part = examples[start:start + chunk]
-            got = {e.id: payloads.get(e.id) for e in part} if payloads is not None else work.generate(part, policy)
+            got = ({e.id: payloads.get(e.id) for e in part} if payloads is not None
+                   else work.generate(part, policy, known=known, on_answers=on_answers))
             rows = work.score(part, got, pool)
             on_rows([(e, got.get(e.id), r) for e, r in zip(part, rows)])
 

@@ -16,6 +16,8 @@ same completions on the same machine. The filter keys prompts by question id.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
@@ -105,6 +107,8 @@ def generate(
     keys: list[str] | None = None,
     share_prefill: bool = True,
     shared_schema: bool = True,
+    done: dict[int, list[str]] | None = None,
+    on_batch: Callable[[dict[int, list[str]]], None] | None = None,
 ) -> list[list[str]]:
     """Return, for each prompt in the given order, `num_return_sequences` decoded completions.
 
@@ -119,6 +123,10 @@ def generate(
     share a token prefix (a database's schema) are batched together and the prefix computed once per group
     (`shared_schema`: the same computation in another float order, near-ties aside). With backend 'vllm', `model` is a
     `vllm_engine.Engine` (see generation/vllm_engine.py), whose prefix caching shares prefixes itself.
+
+    Resume (evaluate): `on_batch` gets each batch's completions by prompt index as soon as the batch is done, and
+    `done` gives back those a killed run finished. The batches are planned over all prompts as before and a batch
+    whose every prompt is in `done` is skipped, so every batch that runs is the one an uninterrupted run computes.
     """
     _check_args(num_return_sequences, temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens,
                 batch_size)
@@ -134,7 +142,7 @@ def generate(
         return vllm_engine.generate(model, tokenizer, prompts, keys, k=num_return_sequences,
                                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                     repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, seed=seed,
-                                    batch_size=batch_size, progress=progress)
+                                    batch_size=batch_size, progress=progress, done=done, on_batch=on_batch)
     if backend != "transformers":
         raise SlmsqlError(f"unknown generation backend '{backend}' (use transformers or vllm)")
     if not prompts:
@@ -166,6 +174,11 @@ def generate(
     with torch.inference_mode(), tqdm(total=len(prompts), unit="prompt", disable=not progress, desc="generate") as bar:
         for b, batch in enumerate(batches):
             idx = [i for i, _ in batch]
+            if done and all(i in done for i in idx):  # finished by a run that was killed: not computed again
+                for i in idx:
+                    results[i] = done[i]
+                bar.update(len(idx))
+                continue
             enc = _left_padded([tokens[i][share:] for i, share in batch], tokenizer.pad_token_id, model.device)
             extra = {}
             if sampling:
@@ -184,6 +197,8 @@ def generate(
             for j, i in enumerate(idx):
                 # generate groups the samples of a prompt together; greedy repeats its single answer
                 results[i] = texts[j * n_gen : (j + 1) * n_gen] * (num_return_sequences // n_gen)
+            if on_batch:
+                on_batch({i: results[i] for i in idx})
             bar.update(len(idx))
     return results
 
@@ -202,16 +217,17 @@ def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
 
 
 def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1, sampling: dict | None = None,
-                     seed: int | None = None, keys: list[str] | None = None,
-                     progress: bool = True) -> list[list[str]]:
+                     seed: int | None = None, keys: list[str] | None = None, progress: bool = True,
+                     done: dict[int, list[str]] | None = None, on_batch=None) -> list[list[str]]:
     """K completions per rendered prompt, with the config's batch, length, seed and backend settings, sampled
     with `sampling` (`configs.Sampling.sampling()`; None: greedy). Samples are keyed by `keys` (question ids;
-    the prompt text when None): a prompt's completions do not depend on the other prompts of the call."""
+    the prompt text when None): a prompt's completions do not depend on the other prompts of the call.
+    `done`, `on_batch`: resume, as `generate` describes."""
     model, tokenizer = model_and_tokenizer
     return generate(model, tokenizer, prompts, num_return_sequences=k, **(sampling or {}),
                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
                     seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress,
-                    shared_schema=cfg.shared_schema)
+                    shared_schema=cfg.shared_schema, done=done, on_batch=on_batch)
 
 
 def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, sampling: dict | None = None,
@@ -223,19 +239,29 @@ def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, s
                             keys=[e.id for e in examples], progress=progress)
 
 
+def answer(completion: str) -> dict:
+    """A greedy answer: the raw completion and the SQL extracted from it."""
+    sql, how = extract_sql(completion)
+    return {"completion": completion, "sql": sql, "extracted_by": how}
+
+
 def greedy_answers(cfg, prompts: list[str], model_and_tokenizer, *, keys: list[str] | None = None,
                    progress: bool = True) -> list[dict]:
-    """The greedy answer to each rendered prompt: the raw completion and the SQL extracted from it. What
-    evaluate scores and what the served text2sql model returns (slmsql.publishing.text2sql) are both this."""
-    out = []
-    for (completion,) in complete_prompts(cfg, prompts, model_and_tokenizer, keys=keys, progress=progress):
-        sql, how = extract_sql(completion)
-        out.append({"completion": completion, "sql": sql, "extracted_by": how})
-    return out
+    """The greedy answer to each rendered prompt. What evaluate scores and what the served text2sql model returns
+    (slmsql.publishing.text2sql) are both this."""
+    return [answer(c) for (c,) in complete_prompts(cfg, prompts, model_and_tokenizer, keys=keys, progress=progress)]
 
 
-def predict(cfg, examples: list[Example], model_and_tokenizer, *, progress: bool = True) -> dict[str, dict]:
-    """Greedy predictions keyed by id: the raw completion and the SQL extracted from it."""
+def predict(cfg, examples: list[Example], model_and_tokenizer, *, progress: bool = True,
+            known: dict[str, dict] | None = None,
+            on_answers: Callable[[dict[str, dict]], None] | None = None) -> dict[str, dict]:
+    """Greedy answers keyed by id. Resume: `on_answers` gets each batch's answers by id as soon as they exist,
+    `known` gives back those of a killed run (not computed again; the other batches are those an uninterrupted
+    run computes: `generate`)."""
     prompts = prompts_for(cfg, examples, model_and_tokenizer[1])
-    answers = greedy_answers(cfg, prompts, model_and_tokenizer, keys=[e.id for e in examples], progress=progress)
-    return {ex.id: answer for ex, answer in zip(examples, answers)}
+    ids = [e.id for e in examples]
+    done = {i: [known[q]["completion"]] for i, q in enumerate(ids) if known and q in known}
+    report = (lambda got: on_answers({ids[i]: answer(c) for i, (c,) in got.items()})) if on_answers else None
+    completions = complete_prompts(cfg, prompts, model_and_tokenizer, keys=ids, progress=progress, done=done,
+                                   on_batch=report)
+    return {q: known[q] if q in (known or {}) else answer(c) for q, (c,) in zip(ids, completions)}

@@ -213,11 +213,17 @@ def sampling_params(*, k: int, temperature: float, top_p: float, top_k: int, min
 
 def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, k: int, temperature: float,
              top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_new_tokens: int, seed: int,
-             batch_size: int, progress: bool) -> list[list[str]]:
-    """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate)."""
+             batch_size: int, progress: bool, done: dict[int, list[str]] | None = None,
+             on_batch=None) -> list[list[str]]:
+    """K completions per prompt, in prompt order (greedy: one, repeated K times, as generation.generate; `done`
+    and `on_batch` resume as it describes: a batch whose every prompt is done is skipped, the others unchanged)."""
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     out: list[list[str]] = []
     for start in range(0, len(prompts), batch_size):  # bounded batches: see max_num_batched_tokens in load
+        idx = range(start, min(start + batch_size, len(prompts)))
+        if done and all(i in done for i in idx):
+            out.extend(done[i] for i in idx)
+            continue
         params = [sampling_params(k=k, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                                   stop_ids=engine.stop_ids, seed=sample_seed(seed, key, 0))
@@ -227,4 +233,6 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
         for request in done:  # returned in input order
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in request.outputs]
             out.append(texts * (k // len(texts)))
+        if on_batch:
+            on_batch({i: out[i] for i in idx})
     return out

@@ -19,7 +19,7 @@ import sqlite3
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from slmsql.errors import DataError
+from slmsql.errors import DataError, SlmsqlError
 
 DIFFICULTIES = ("simple", "moderate", "challenging")
 REQUIRED = ("id", "db_id", "question", "sql")
@@ -248,3 +248,25 @@ def schema_of(db_file) -> list[tuple[str, str]]:
                            "AND name NOT LIKE 'sqlite_%' ORDER BY rowid").fetchall()
     finally:
         con.close()
+
+
+def load_finished(path: Path, examples) -> dict[str, dict]:
+    """id -> row of every question already finished (the filter's pass-rate rows, evaluate's answers), in any
+    order (samples are keyed by question id, so which were done first, and by which engine, does not matter).
+    A torn last line (kill -9 during a write) is dropped and the file rewritten without it; a row for a question
+    not in the source, or twice, means the folder belongs to other data."""
+    if not path.exists():
+        return {}
+    ids = {e.id for e in examples}
+    done: dict[str, dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if row.get("id") not in ids or row["id"] in done:
+            raise SlmsqlError(f"{path} does not match the source questions (row {row.get('id')!r}); "
+                              f"delete {path.parent} to start over")
+        done[row["id"]] = row
+    write_jsonl(path, done.values())
+    return done

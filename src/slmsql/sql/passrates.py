@@ -4,17 +4,12 @@ Pass rate counts execution *matches*, not the shaped reward. Every question land
 (low < p < high), all_fail (0/K), all_pass (K/K), out_of_band "n/K" (e.g. 1/8 and 7/8 with the seed's 0.2/0.8
 band: a three-bucket report silently drops them), or errors (missing database, gold that does not execute or
 whose result is over the sandbox's digest budget).
-`question_rows` is the per-question work both engines (`engines`) run; `load_finished` the resume rule.
+`question_rows` is the per-question work both engines (`engines`) run; `inputs.data.load_finished` the resume rule.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
-
-from slmsql.errors import SlmsqlError
-from slmsql.inputs.data import write_jsonl
 
 CHUNK = 32  # questions per generate-and-score round of the local engine (and per shard of the Ray engine)
 
@@ -59,25 +54,3 @@ def bucket_summary(rows: list[dict], k: int, low: float, high: float) -> dict:
             "histogram": {f"{i}/{k}": sum(r.get("n_correct") == i and r["bucket"] != "errors" for r in rows)
                           for i in range(k + 1)},
             "error_ids": [r["id"] for r in rows if r["bucket"] == "errors"]}
-
-
-def load_finished(path: Path, examples) -> dict[str, dict]:
-    """id -> row of every question already finished, in any order (samples are keyed by question id, so
-    which questions were done first, and by which engine, does not matter). A torn last line (kill -9 during
-    a write) is dropped and the file rewritten without it; a row for a question not in the source, or twice,
-    means the folder belongs to other data."""
-    if not path.exists():
-        return {}
-    ids = {e.id for e in examples}
-    done: dict[str, dict] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if row.get("id") not in ids or row["id"] in done:
-            raise SlmsqlError(f"{path} does not match the source questions (row {row.get('id')!r}); "
-                              f"delete {path.parent} to start over")
-        done[row["id"]] = row
-    write_jsonl(path, done.values())
-    return done

@@ -2,17 +2,24 @@
 
 args -> gold data -> engine (local or Ray: predictions from a file or greedy generation, sandboxed scoring)
 -> statistics -> MLflow.
+Resume: each generation batch's answers are appended to `<out>.partial/answers.jsonl` as soon as the batch is done;
+a rerun (even after kill -9) with the same output folder and the parameters that decide the answers (RESUME_KEYS)
+continues the same MLflow run and generates only the rest. The batches are planned over all questions as before and
+only whole finished batches are skipped (generation.sampling.generate), so a resumed run computes the answers an
+uninterrupted one does; every answer is scored again (cheap, deterministic).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
 from slmsql.configs import EvaluateConfig
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.data import check_databases, read_gold, read_jsonl, read_predictions, write_json, write_jsonl
+from slmsql.inputs.data import (check_databases, dumps, load_finished, read_gold, read_jsonl, read_predictions,
+                                write_json, write_jsonl)
 from slmsql.runtime.outputs import Staged
 from slmsql.sql.scoring import ex_summary, result_row, split_scored
 from slmsql.stats import inference
@@ -20,6 +27,9 @@ from slmsql.tracking import tables
 from slmsql.tracking.figures import ex_figure
 
 log = logging.getLogger(__name__)
+# what decides a question's greedy answer (the batch plan included); not the engine, the match or the timeout
+RESUME_KEYS = ("data", "limit", "db_root", "predictions", "model", "adapter", "backend", "dtype", "batch_size",
+               "shared_schema", "max_new_tokens", "prompt_style", "example_values", "tables_json")
 
 
 def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> tuple[object, dict[str, dict]]:
@@ -53,7 +63,7 @@ def main(cfg: EvaluateConfig) -> dict:
 
     examples = read_gold(cfg.data)[:cfg.limit or None]
     check_databases(examples, cfg.db_root, cfg.data)
-    st = Staged(cfg.output_dir, cfg.overwrite)
+    st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     if cfg.predictions:
         preds = read_predictions(cfg.predictions, {e.id for e in examples})
     elif not cfg.model:
@@ -76,13 +86,25 @@ def main(cfg: EvaluateConfig) -> dict:
     tags = {"slmsql.dataset": dataset, "slmsql.match": cfg.match,
             **(policy.tags() if policy else {"slmsql.model": tracking.portable(cfg.model) or "predictions-file"})}
     with st, tracking.stage_run("evaluate", cfg, {**engines.run_params(work), **(policy.params() if policy else {})},
-                                tags=tags) as run:
+                                tags=tags, run_id=st.run_id) as run:
+        st.bind(run.info.run_id)
         work_dir = st.work
         mlflow.log_metrics(token_metrics)
         data = tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
         got: dict[str, tuple] = {}
-        engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
-                    payloads=preds if cfg.predictions else None, policy=loaded)
+        answers = work_dir / "answers.jsonl"  # every finished batch's answers at once (resume)
+        known = {q: row["answer"] for q, row in load_finished(answers, examples).items()}
+        if known:
+            log.info("resuming: %d of %d questions answered before, not generated again", len(known), len(examples))
+        with open(answers, "a", encoding="utf-8") as sink:
+            def on_answers(batch: dict) -> None:
+                sink.write("".join(dumps({"id": q, "answer": a}) + "\n" for q, a in batch.items()))
+                sink.flush()
+                os.fsync(sink.fileno())
+
+            engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
+                        payloads=preds if cfg.predictions else None, policy=loaded, known=known or None,
+                        on_answers=None if cfg.predictions else on_answers)
         results = [got[e.id][1] for e in examples]
         if not cfg.predictions:
             preds = {e.id: got[e.id][0] for e in examples}
@@ -138,5 +160,6 @@ def main(cfg: EvaluateConfig) -> dict:
             mlflow.log_table(tables.disagreements_table(examples, results, baseline, *names),
                              "disagreements_table.json")
             mlflow.log_text(tables.sql_report(examples, results, baseline, *names), "sql_side_by_side.md")
+        answers.unlink()  # predictions.jsonl holds them, in the data's order
     print(f"{run.info.run_name}: {result}\nMLflow UI: {tracking.ui_link(run.info.experiment_id)}", flush=True)
     return metrics

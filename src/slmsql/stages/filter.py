@@ -15,9 +15,9 @@ import os
 
 from slmsql.configs import FilterConfig
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.data import dumps, read_gold, write_json, write_jsonl
+from slmsql.inputs.data import dumps, load_finished, read_gold, write_json, write_jsonl
 from slmsql.runtime.outputs import Staged
-from slmsql.sql.passrates import CHUNK, bucket_summary, load_finished
+from slmsql.sql.passrates import CHUNK, bucket_summary
 from slmsql.tracking.figures import histogram_figure
 
 log = logging.getLogger(__name__)
