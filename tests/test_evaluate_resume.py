@@ -78,6 +78,39 @@ def test_a_resumed_generation_runs_only_the_unfinished_batches_and_answers_the_s
 
 
 @pytest.mark.slow  # two new processes
+def test_vllm_skips_only_whole_finished_batches(world, monkeypatch):
+    """The vLLM path's batches (`batch_size` prompts in order) under a stand-in engine that answers each prompt with
+    its own first tokens: a batch whose every prompt is done is not sent; a batch with one prompt done is sent whole
+    (its requests are an uninterrupted run's); each batch sent is reported once."""
+    from types import SimpleNamespace
+
+    from slmsql.generation import vllm_engine
+
+    _, folder = world
+    _, tok = load_model(folder, device="cpu")
+    sent: list[list[list[int]]] = []
+
+    def llm_generate(requests, params, lora_request=None, use_tqdm=False):
+        sent.append([r["prompt_token_ids"] for r in requests])
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=r["prompt_token_ids"][:3])]) for r in requests]
+
+    monkeypatch.setattr(vllm_engine, "sampling_params", lambda **kw: kw)  # no vLLM needed to check the batches
+    engine = SimpleNamespace(llm=SimpleNamespace(generate=llm_generate), stop_ids=[], lora=None)
+    prompts = [f"{q} ({i})" for i, (_, q) in enumerate(QUESTIONS)]
+    kw = dict(k=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_new_tokens=4,
+              seed=0, batch_size=4, progress=False)
+    whole = vllm_engine.generate(engine, tok, prompts, [str(i) for i in range(9)], **kw)
+    assert [len(b) for b in sent] == [4, 4, 1]
+    sent.clear()
+    reported: list[dict] = []
+    done = {i: ["kept"] for i in (0, 1, 2, 3, 5)}  # batch 0 whole, one prompt of batch 1
+    resumed = vllm_engine.generate(engine, tok, prompts, [str(i) for i in range(9)], **kw, done=done,
+                                   on_batch=reported.append)
+    assert [len(b) for b in sent] == [4, 1] and [sorted(b) for b in reported] == [[4, 5, 6, 7], [8]]
+    assert resumed == [["kept"]] * 4 + whole[4:]
+
+
+@pytest.mark.slow  # two new processes
 def test_evaluate_killed_mid_run_goes_on_in_the_same_run(world, tmp_path, one_thread):
     """`slmsql evaluate` SIGKILLed right after its 4th answer (tests/driver_faults.py: at an answer count, never at
     a time); the rerun, a new process, keeps those answers (marked here: a rerun that generated them again would

@@ -233,10 +233,39 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
             "output_dir": str(out), "workers": 1, "max_new_tokens": 40, "experiment": out.name, **over}))
 
     local = run(tmp_path / "local")
+    # The Ray run is a resumed one: its first driver dies once its first shard's answers are written (in this
+    # process: an exception, the stage's .partial kept); the rerun scores those on the driver, marked here (a rerun
+    # that generated them again would drop the mark), and generates the rest on Ray, in the same MLflow run.
+    from slmsql.generation import engines
+    from slmsql.sql import passrates
+
+    class Crash(Exception):
+        pass
+
+    real = engines.run
+
+    def run_then_crash(work, examples, on_rows, **kw):
+        def write_then_crash(answers):
+            kw["on_answers"](answers)
+            raise Crash
+
+        return real(work, examples, on_rows, **{**kw, "on_answers": write_then_crash})
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(Crash):
+        mp.setattr(engines, "run", run_then_crash)
+        mp.setattr(passrates, "CHUNK", 8)  # Ray's blocks: 4 of the 30 questions, streamed back one by one
+        run(tmp_path / "ray", **RAY_OPTS)
+    answers = tmp_path / "ray.partial" / "answers.jsonl"
+    kept = read(answers)
+    assert 0 < len(kept) < 30
+    write(answers, [{**r, "answer": {**r["answer"], "mark": True}} for r in kept])
     on_ray = run(tmp_path / "ray", **RAY_OPTS)
+    marked = [r["id"] for r in read(tmp_path / "ray" / "predictions.jsonl") if r.pop("mark", False)]
+    assert sorted(marked) == sorted(r["id"] for r in kept)
     # the same greedy answers but where a near-tie parts the two float paths (1 thread on batches of 4 on Ray,
     # the local engine's threads on batches of 16: tests/neartie.py), judged on the model itself
-    preds = [{r["id"]: r for r in read(tmp_path / d / "predictions.jsonl")} for d in ("local", "ray")]
+    preds = [{r["id"]: {k: v for k, v in r.items() if k != "mark"} for r in read(tmp_path / d / "predictions.jsonl")}
+             for d in ("local", "ray")]
     assert list(preds[0]) == list(preds[1])
     parted = [i for i in preds[0] if preds[0][i] != preds[1][i]]
     if parted:
@@ -257,7 +286,9 @@ def test_evaluate_on_ray_gives_the_local_engines_results(policy, local_ray, tmp_
     assert len(untimed[0]) == 30 and {i: r for i, r in untimed[0].items() if i not in parted} == \
         {i: r for i, r in untimed[1].items() if i not in parted}
     client = mlflow.MlflowClient()
-    runs = [client.search_runs([client.get_experiment_by_name(d).experiment_id])[0] for d in ("local", "ray")]
+    found = [client.search_runs([client.get_experiment_by_name(d).experiment_id]) for d in ("local", "ray")]
+    assert [len(f) for f in found] == [1, 1], "the resumed Ray run must continue the crashed one"
+    runs = [f[0] for f in found]
     if not parted:  # EX, interval, per-difficulty, status rates (what EX is, is the policy's business)
         assert on_ray == local and stage_metrics(runs[0]) == stage_metrics(runs[1])
     assert [r.data.params["engine"] for r in runs] == ["local", "ray"]
