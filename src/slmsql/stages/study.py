@@ -31,10 +31,11 @@ def todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[spec.Cell]:
     """The missing cells this run takes: those of --cells, or of the --shard K/N share, or all."""
     declared = study.cells()
     if cfg.cells:
-        unknown = sorted(set(cfg.cells) - {c.id for c in declared} - {records.START})
+        refs = {records.reference_id(r) for r in study.references}
+        unknown = sorted(set(cfg.cells) - {c.id for c in declared} - {records.START} - refs)
         if unknown:
-            raise DataError(f"no such cell(s) {unknown}; declared: {[c.id for c in declared]}", "command line",
-                            field="cells")
+            raise DataError(f"no such cell(s) {unknown}; declared: {[c.id for c in declared]}"
+                            + (f", references: {sorted(refs)}" if refs else ""), "command line", field="cells")
         declared = [c for c in declared if c.id in cfg.cells]
     elif cfg.shard:
         k, n = map(int, cfg.shard.split("/"))
@@ -42,10 +43,21 @@ def todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[spec.Cell]:
     return [c for c in declared if c.id not in done]
 
 
+def references_todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[str]:
+    """The missing references this run evaluates: those --cells names (ref-NAME), else all but on a --shard other
+    than 1/N (one share takes them all: they are evaluations, minutes beside a cell)."""
+    names = [r for r in study.references if r not in done]
+    if cfg.cells:
+        return [r for r in names if records.reference_id(r) in cfg.cells]
+    return names if not cfg.shard or cfg.shard.split("/")[0] == "1" else []
+
+
 def write_report(study: spec.Study, start, done: dict) -> dict:
     from slmsql.studies import report as reporting  # matplotlib: loaded only when a report is written
 
-    rep = reporting.build(study.as_dict(), start, [done[c.id] for c in study.cells() if c.id in done])
+    refs = records.references(study, start)
+    rep = reporting.build(study.as_dict(), start, [done[c.id] for c in study.cells() if c.id in done],
+                          [refs[r] for r in study.references if r in refs])
     reporting.write(study.folder, rep)
     return rep
 
@@ -56,14 +68,15 @@ def run(cfg: StudyRunConfig) -> dict:
     start, done = records.read(study)  # every record checked before anything runs
     if start is not None:  # a start recorded before the declaration was bound to it: bound now (binding.py)
         start = records.bind(study, start)
-    work = todo(study, done, cfg)
-    if start is not None and work and code_version() not in study.accepted_code(start["code_version"]):
+    work, refs = todo(study, done, cfg), references_todo(study, records.references(study, start), cfg)
+    if start is not None and (work or refs) and code_version() not in study.accepted_code(start["code_version"]):
         raise DataError(f"this code ({code_version()}) is not one the study accepts "
                         f"({sorted(study.accepted_code(start['code_version']))}): its cells would not pool. To "
                         "continue with it, add it under continue_with with the reason (docs/stages/study.md)",
                         study.path, field="continue_with")
     print(f"study {study.name}: {len(done)} of {len(study.cells())} cells recorded; this run: "
-          f"{len(work)} cell(s){' and the start' if start is None else ''}", flush=True)
+          f"{len(work)} cell(s){' and the start' if start is None else ''}"
+          + (f", {len(refs)} reference(s)" if refs else ""), flush=True)
     workdir = cfg.output_dir or str(Path("outputs") / "studies" / study.name)
     s = cells.steps(study, workdir, cfg.reuse)
     with leases.lease(study.folder, records.START, wait=True):  # one run makes (and pins) the start; the others
@@ -80,6 +93,18 @@ def run(cfg: StudyRunConfig) -> dict:
         finished.append(c.id)
         print(f"[{len(finished)}/{len(work)}] cell {c.id} recorded: {path}", flush=True)
 
+    for name in refs:  # here, under their leases, as cells are (a reference is one evaluation per eval set)
+        rid = records.reference_id(name)
+        try:
+            with leases.lease(study.folder, rid):
+                if records.path_of(study, rid).is_file():
+                    print(f"reference {name} not evaluated by this run: recorded by another run meanwhile", flush=True)
+                    continue
+                path = records.write(study, {**cells.reference(study, s, name, st), "shard": cfg.shard or None})
+        except (leases.Busy, records.Lost) as e:
+            print(f"reference {name} not recorded by this run: {e}", flush=True)
+            continue
+        print(f"reference {name} recorded: {path}", flush=True)
     if cfg.ray_address:
         dispatch.on_ray(study, work, st, workdir, cfg.ray_address, progress, cfg.shard, cfg.reuse)
     else:

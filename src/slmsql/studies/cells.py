@@ -165,6 +165,21 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
     return Start(policy, band, rec)
 
 
+def reference(study: Study, s: Steps, name: str, st: Start) -> dict:
+    """Evaluate one reference (a policy the study does not train: a base model zero-shot, say) on every eval set,
+    the start's band included; its record (not written: the caller writes it, once)."""
+    rid = records.reference_id(name)
+    ref = study.references[name]
+    loads = {"model": _path(ref["model"]), **({"adapter": project_path(ref["adapter"])} if ref["adapter"] else {})}
+    tags = {"slmsql.study": study.name, "slmsql.cell": rid}
+    evals = _eval(s, study, rid, loads, st.band, tags, s.out / "references" / name)
+    res = _results(s, evals)
+    return records.make(study, rid, config=study.reference_config(name), start=st.record["start"],
+                        code_version=s.version, results=res,
+                        metrics={f"{k}/ex": sum(x for x, _ in v.values()) / max(len(v), 1) for k, v in res.items()},
+                        runs={"eval_runs": {k: r.info.run_id for k, r in evals.items()}})
+
+
 def cell(study: Study, s: Steps, c: Cell, st: Start) -> dict:
     """Train and evaluate one cell; its record (not written: the caller writes it, once)."""
     if code_version() not in study.accepted_code(st.record["code_version"]):

@@ -11,7 +11,8 @@ A study shows each of its declared comparisons, or those its plan lists under `r
 eval set names). The table holds only rows with numbers: a study with no records is named on a line under it,
 "declared, not yet run", and one with records missing on another, with how many of its cells are recorded. The
 interval is the comparison's own (unadjusted) 95% interval, the p its Holm-adjusted p, and the header says so; a
-bound that rounds to 0 shows its side of 0 (stats.wording.bound).
+bound that rounds to 0 shows its side of 0 (stats.wording.bound). A study's references (policies it evaluates but does
+not train) follow its rows on the same eval sets, their difference from the start descriptive, with no verdict.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ def rows(name: str, report: dict, where="report.json") -> list[str]:
         cells = [what, f"{r['eval_set']} ({n})", f"{pct(r['ex_b'])} → {pct(r['ex_mean'])}",
                  f"{pts(r['diff'])} [{bound(r['diff_ci_low'])}, {bound(r['diff_ci_high'])}]", p, verdict]
         out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    sets = {r["eval_set"] for r in shown}
+    for ref in report.get("references") or []:  # evaluated beside the start, not trained: no verdict
+        model = f"`{ref['model']}`" + (" with an adapter" if ref["adapter"] else "")
+        for x in (x for x in ref["sets"] if x["eval_set"] in sets):
+            cells = [f"`studies/{name}`: same study (reference {ref['name']}: {model}, not trained)",
+                     f"{x['eval_set']} ({x['n']})", f"start {pct(x['ex_start'])}; reference {pct(x['ex'])}",
+                     f"{pts(x['diff'])} [{bound(x['diff_ci_low'])}, {bound(x['diff_ci_high'])}]",
+                     f"McNemar {pval(x['mcnemar_p'])}, unadjusted", "a reference: outside the family, no verdict"]
+            out.append("| " + " | ".join(cells) + " |")
     return out
 
 

@@ -24,7 +24,7 @@ from slmsql.configs import EvaluateConfig, GRPOStageConfig
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.studies import binding, diagnosis
 from slmsql.studies.binding import sha256_file  # noqa: F401  (cells.inputs reads files with it too)
-from slmsql.studies.spec import Cell, Study
+from slmsql.studies.spec import REFERENCE, Cell, Study
 
 SCHEMA = "slmsql.study-record/1"
 START = "start"
@@ -215,32 +215,53 @@ def read(study: Study) -> tuple[dict | None, dict[str, dict]]:
                             f"{_differs(study.start_config(), start['config'])}", path_of(study, START), field="config")
         binding.check(study, start, path_of(study, START))
     cells = {}
+    refs = {reference_id(name) for name in study.references}
     for path in sorted(study.records.glob("*.json")) if study.records.is_dir() else []:
         name = path.stem
-        if name == START:
+        if name == START or name in refs:  # a reference's record: `references`
             continue
         if name not in declared:
-            raise DataError(f"a record for no declared cell (declared: {sorted(declared)})", path)
-        rec = _read(path, study, name)
-        if rec["study"] != study_name:
-            raise DataError(f"expected {study_name!r} (the study its start's record names), got {rec['study']!r}",
-                            path, field="study")
-        want = study.cell_config(declared[name])
-        if (got := _with_new_defaults(rec["config"], want)) != want:
-            raise DataError(f"config differs from the declaration: {_differs(want, got)}", path,
-                            field="config")
-        if start is None:
-            raise DataError("a cell record without records/start.json: the start it was trained from is unknown", path)
-        if rec["start"].get("fingerprint") != start["start"]["fingerprint"]:
-            raise DataError(f"from another start (fingerprint {rec['start'].get('fingerprint', '?')[:12]}, the "
-                            f"study's {start['start']['fingerprint'][:12]}): never pooled", path, field="start")
-        accepted = study.accepted_code(start["code_version"])
-        if rec["code_version"] not in accepted:
-            raise DataError(f"made by code {rec['code_version']}, which the study does not accept "
-                            f"({sorted(accepted)}): never pooled silently. To pool it, add it under continue_with "
-                            f"in {study.path} with the reason (docs/stages/study.md)", path, field="code_version")
-        cells[name] = rec
+            raise DataError(f"a record for no declared cell (declared: {sorted(declared)}; references: "
+                            f"{sorted(refs)})", path)
+        cells[name] = _checked(study, start, study_name, path, name, study.cell_config(declared[name]))
     return start, cells
+
+
+def reference_id(name: str) -> str:
+    return f"{REFERENCE}{name}"
+
+
+def references(study: Study, start: dict | None) -> dict[str, dict]:
+    """Every declared reference's record (by reference name) that is there, checked as a cell's is."""
+    out = {}
+    study_name = start["study"] if start is not None else study.name
+    for name in study.references:
+        path = path_of(study, reference_id(name))
+        if path.is_file():
+            out[name] = _checked(study, start, study_name, path, reference_id(name), study.reference_config(name))
+    return out
+
+
+def _checked(study: Study, start: dict | None, study_name: str, path: Path, name: str, want: dict) -> dict:
+    """A cell's or reference's record, refused unless it is the declared one, from the study's start and code."""
+    rec = _read(path, study, name)
+    if rec["study"] != study_name:
+        raise DataError(f"expected {study_name!r} (the study its start's record names), got {rec['study']!r}",
+                        path, field="study")
+    if (got := _with_new_defaults(rec["config"], want)) != want:
+        raise DataError(f"config differs from the declaration: {_differs(want, got)}", path, field="config")
+    if start is None:
+        raise DataError("a record without records/start.json: the start (and the questions) it belongs to are "
+                        "unknown", path)
+    if rec["start"].get("fingerprint") != start["start"]["fingerprint"]:
+        raise DataError(f"from another start (fingerprint {rec['start'].get('fingerprint', '?')[:12]}, the "
+                        f"study's {start['start']['fingerprint'][:12]}): never pooled", path, field="start")
+    accepted = study.accepted_code(start["code_version"])
+    if rec["code_version"] not in accepted:
+        raise DataError(f"made by code {rec['code_version']}, which the study does not accept "
+                        f"({sorted(accepted)}): never pooled silently. To pool it, add it under continue_with "
+                        f"in {study.path} with the reason (docs/stages/study.md)", path, field="code_version")
+    return rec
 
 
 def bind(study: Study, start: dict) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 from slmsql.errors import DataError
 from slmsql.inputs.data import dumps
 from slmsql.stats import inference, seedstats
-from slmsql.stats.wording import pct
+from slmsql.stats.wording import bound, pct, pts, pval
 from slmsql.studies import compare, diagnosis, tables
 
 SCHEMA = "slmsql.study-report/1"
@@ -37,8 +37,9 @@ def _where(cell: str) -> str:
     return f"records/{cell}.json"
 
 
-def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
-    """The report of `study` (spec.Study.as_dict()) from its start record (None: missing) and cell records."""
+def build(study: dict, start: dict | None, cells: list[dict], references: list[dict] = ()) -> dict:
+    """The report of `study` (spec.Study.as_dict()) from its start record (None: missing), cell records and
+    reference records."""
     alpha = float(study["alpha"])
     declared = {c["cell"]: c for c in study["cells"]}
     got = _recorded(declared, cells)
@@ -72,7 +73,13 @@ def build(study: dict, start: dict | None, cells: list[dict]) -> dict:
         "rows": rows,
         "diagnosis": [_diagnosis(arm, start, [r for r in got.values() if r["arm"] == arm], ids)
                       for arm in study["arms"]],
-        "provenance": [_provenance(r) for r in ([start] if start is not None else []) + list(got.values())],
+        # a study that declares references (none: no keys, so the reports of those before them read as they did)
+        **({"references": [_reference(r, start, ids, alpha) for r in references],
+            "references_missing": [f"ref-{name}" for name in study["references"]
+                                   if name not in {r["config"]["reference"] for r in references}]}
+           if study.get("references") else {}),
+        "provenance": [_provenance(r) for r in ([start] if start is not None else []) + list(got.values())
+                       + list(references)],
         # how many machines' floats the pooled records come from (they pool: docs/stages/study.md "Float paths")
         "float_paths": len({json.dumps(r.get("float_path") or {}, sort_keys=True)
                             for r in ([start] if start is not None else []) + list(got.values())}),
@@ -139,6 +146,25 @@ def _row(index: int, comp: dict, declared: dict, start, got: dict, ids, alpha: f
         stats = compare.vs_arm(a, seeds_of(against), alpha)  # on the seeds both have
     # the numbers of a row with records missing are from the seeds present (`seed_ids`)
     return {**row, **_empty(), "n": None if ids is None else len(ids), **(stats or {})}
+
+
+def _reference(rec: dict, start: dict | None, ids: dict, alpha: float) -> dict:
+    """A reference's EX per eval set with its Wilson interval, and beside the start's on the same questions: the
+    difference with its exact interval and McNemar's exact p, unadjusted (a reference is outside the Holm family:
+    descriptive, no verdict)."""
+    cfg = rec["config"]
+    out = {"name": cfg["reference"], "model": cfg["model"], "adapter": cfg["adapter"], "sets": []}
+    for es, qs in ids.items():
+        mine = (rec.get("results") or {}).get(es)
+        if mine is None or qs is None or set(mine) != set(qs):
+            raise DataError(f"scored other questions than the start on {es!r}", _where(rec["cell"]),
+                            field=f"results.{es}")
+        c = inference.compare([bool(mine[q][0]) for q in qs], [bool(start["results"][es][q][0]) for q in qs], alpha)
+        out["sets"].append({"eval_set": es, "n": c["n"], "ex": c["ex_a"], "ex_ci_low": c["ex_a_ci_low"],
+                            "ex_ci_high": c["ex_a_ci_high"], "ex_start": c["ex_b"], "diff": c["diff"],
+                            "diff_ci_low": c["diff_ci_low"], "diff_ci_high": c["diff_ci_high"],
+                            "mcnemar_p": c["mcnemar_p"]})
+    return out
 
 
 def _diagnosis(arm: str, start: dict | None, recs: list[dict], ids: dict) -> dict:
@@ -231,9 +257,10 @@ def markdown(report: dict) -> str:
                   *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family, level,
                                        "comparison", lambda x: x["label"])]
     lines += [*tables.diagnosis_table(r["diagnosis"], [es["name"] for es in r["eval_sets"]]), ""]
+    lines += _references_table(r, level)
     lines += ["**Missing records.**", ""]
-    lines += [f"- `{c}` ({_where(c)})" for c in r["missing"]] or ["None: every declared cell and the start have "
-                                                                   "their record."]
+    lines += [f"- `{c}` ({_where(c)})" for c in r["missing"] + r.get("references_missing", [])] or [
+        "None: every declared cell and the start have their record."]
     lines += ["", "**Amendments.**", ""]
     lines += [f"- {a['date']}: declaration `{a['declaration']}`: {a['reason']}" for a in r["amendments"]] or [
         "None: the declaration is the one its records were made under." if r["declaration"] else
@@ -245,6 +272,24 @@ def markdown(report: dict) -> str:
                   "the same)." + (f" Declaration: `{r['declaration']}` (its Holm family, alpha, eval sets' files and "
                                   "databases; bound in the start's record)." if r["declaration"] else ""), ""]
     return "\n".join(lines + _provenance_table(r["provenance"]))
+
+
+def _references_table(r: dict, level: str) -> list[str]:
+    """The references (evaluated, not trained): EX and beside the start, descriptive."""
+    if not r.get("references"):
+        return []
+    out = [f"**References.** Policies evaluated beside the start, not trained: outside the Holm family, so their "
+           f"differences carry no verdict (McNemar's exact p, unadjusted; {level} intervals: Wilson for EX, exact "
+           "for the paired difference).", "",
+           "| reference | model | eval set | n | EX [CI] | minus the start's EX, points [CI] | McNemar p |",
+           "|---|---|---|---:|---|---|---:|"]
+    for ref in r["references"]:
+        model = f"`{ref['model']}`" + (f" + `{ref['adapter']}`" if ref["adapter"] else "")
+        for x in ref["sets"]:
+            out.append(f"| {ref['name']} | {model} | {x['eval_set']} | {x['n']} | {pct(x['ex'])} "
+                       f"[{pct(x['ex_ci_low'])}, {pct(x['ex_ci_high'])}] | {pts(x['diff'])} [{bound(x['diff_ci_low'])}, "
+                       f"{bound(x['diff_ci_high'])}] | {pval(x['mcnemar_p'])} |")
+    return out + [""]
 
 
 def _provenance_table(prov: list[dict]) -> list[str]:

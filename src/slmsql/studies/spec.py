@@ -16,6 +16,8 @@ before anything runs. The commit that adds the file is the study's pre-registrat
     seeds: [0, 1, 2]
     eval_sets: [{name: toy-band-seen, data: band}]  # `band`: the start's own band
     comparisons: [{arm: dense, against: outcome}]   # the Holm family (default: each arm vs the start)
+    references: {zero-shot: {model: HuggingFaceTB/SmolLM2-135M-Instruct}}   # evaluated beside the start on every
+                                           #   eval set (a model, `adapter` optional), outside the Holm family
     plan: {...}    # the figures `slmsql plan` gave, copied into the report
     budget: {cell_minutes: 4, cpus_per_cell: 2, gpus_per_cell: 0}
     continue_with: [{code_version: abc123456789, reason: ...}]   # code accepted beside the start's
@@ -52,7 +54,8 @@ SECTIONS = {
                                          "predictions", "alpha", "seed")),
 }
 TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "evaluate", "arms", "seeds",
-       "eval_sets", "comparisons", "alpha", "plan", "budget", "continue_with", "amendments"}
+       "eval_sets", "comparisons", "references", "alpha", "plan", "budget", "continue_with", "amendments"}
+REFERENCE = "ref-"  # a reference's record is records/ref-<name>.json
 BUDGET = {"cell_minutes": 0.0, "cpus_per_cell": 1.0, "gpus_per_cell": 0.0}
 BAND = "band"  # an eval set whose data is the start's band
 
@@ -94,6 +97,7 @@ class Study:
     seeds: list[int]
     eval_sets: list[EvalSet]
     comparisons: list[dict]  # {arm, against: "start" or an arm, eval_set}: the Holm family, in order
+    references: dict[str, dict] = field(default_factory=dict)  # name -> {model, adapter}: evaluated, not trained
     alpha: float = 0.05
     plan: dict = field(default_factory=dict)
     budget: dict = field(default_factory=lambda: dict(BUDGET))
@@ -126,12 +130,12 @@ class Study:
 
     def cell_config(self, cell: Cell) -> dict:
         """What a cell's record must carry: the results it holds were computed under exactly this."""
-        where = {f.name for f in configs.fields(configs.Engine)}  # where evaluate ran (local, Ray), not what
-        keep = lambda cfg, skip: {k: v for k, v in configs.to_params(cfg).items()  # noqa: E731
-                                  if k not in skip and k not in configs.RUN_ONLY and k not in where}
-        return {"arm": cell.arm, "seed": cell.seed,
-                "grpo": keep(self.grpo_config(cell.arm), SECTIONS["grpo"][1]),
-                "evaluate": keep(self.evaluate_config(), SECTIONS["evaluate"][1]),
+        return {"arm": cell.arm, "seed": cell.seed, "grpo": _kept(self.grpo_config(cell.arm), "grpo"),
+                "evaluate": _kept(self.evaluate_config(), "evaluate"), "eval_sets": [es.name for es in self.eval_sets]}
+
+    def reference_config(self, name: str) -> dict:
+        """What a reference's record must carry: the policy it evaluated and how."""
+        return {"reference": name, **self.references[name], "evaluate": _kept(self.evaluate_config(), "evaluate"),
                 "eval_sets": [es.name for es in self.eval_sets]}
 
     def start_config(self) -> dict:
@@ -150,8 +154,14 @@ class Study:
         return {"name": self.name, "question": self.question, "title": self.title, "alpha": self.alpha,
                 "arms": list(self.arms), "seeds": self.seeds, "eval_sets": [es.name for es in self.eval_sets],
                 "comparisons": self.comparisons, "plan": self.plan, "budget": self.budget,
-                "amendments": self.amendments,
+                "amendments": self.amendments, "references": self.references,
                 "cells": [{"cell": c.id, "arm": c.arm, "seed": c.seed} for c in self.cells()]}
+
+
+def _kept(cfg, section: str) -> dict:
+    """A section's options as a record carries them: not those the study sets, nor where evaluate ran (local, Ray)."""
+    skip = set(SECTIONS[section][1]) | set(configs.RUN_ONLY) | {f.name for f in configs.fields(configs.Engine)}
+    return {k: v for k, v in configs.to_params(cfg).items() if k not in skip}
 
 
 def _resolve(cls, section: dict):
@@ -300,6 +310,7 @@ def load(folder, _via: tuple = ()) -> Study:
         evaluate=r.section(doc.get("evaluate"), ("evaluate",), "evaluate"),
         arms={str(k): r.section(v, ("arms", str(k)), "grpo") for k, v in arms.items()}, seeds=seeds, eval_sets=sets,
         comparisons=_comparisons(r, doc.get("comparisons"), list(arms), [es.name for es in sets]),
+        references=_references(r, doc.get("references")),
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
         continue_with=_continue_with(r, doc.get("continue_with")),
@@ -355,6 +366,20 @@ def _comparisons(r: _Reader, value, arms: list[str], sets: list[str]) -> list[di
     return out
 
 
+def _references(r: _Reader, value) -> dict[str, dict]:
+    """Policies evaluated beside the start on every eval set, not trained (a base model zero-shot, a published
+    adapter): name -> {model, adapter}."""
+    out = {}
+    for name, item in r.mapping(value, ("references",)).items():
+        item = r.mapping(item, ("references", str(name)), {"model", "adapter"})
+        if not NAME.match(str(name)):
+            r.fail(("references", str(name)), "a reference's name is letters, digits, '.', '_' or '-'")
+        if not str(item.get("model") or "").strip():
+            r.fail(("references", str(name)), "give the reference's model (a Hub id or a path)")
+        out[str(name)] = {"model": str(item["model"]), "adapter": str(item.get("adapter") or "")}
+    return out
+
+
 def _continue_with(r: _Reader, value) -> list[dict]:
     if value is None:
         return []
@@ -401,6 +426,11 @@ def check_files(study: Study) -> None:
         need(es.db_root, ("eval_sets", str(i), "db_root"), folder=True)
     if study.adapter:
         need(study.adapter, ("start", "adapter"), folder=True)
+    for name, ref in study.references.items():
+        if ref["adapter"]:
+            need(ref["adapter"], ("references", name, "adapter"), folder=True)
+        if ref["model"].startswith(("outputs/", "./", "/")):
+            need(ref["model"], ("references", name, "model"), folder=True)
     if study.sft is not None:
         need(str(study.sft.get("data", configs.default(_field(SFTStageConfig, "data")))), ("start", "sft", "data"))
     if Path(study.model).exists() or study.model.startswith(("outputs/", "./", "/")):
