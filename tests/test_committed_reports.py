@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from slmsql.stages import study as stage
 from slmsql.studies import records, report, spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,10 +16,9 @@ STUDIES = sorted(p.parent.name for p in (ROOT / "studies").glob("*/study.yaml"))
 
 def regenerate(folder: Path, into: Path) -> None:
     """The report of the study in `folder`, from its records alone, written into `into` (as `study report`
-    writes it, but not over the committed files)."""
+    builds it, but not over the committed files)."""
     s = spec.load(folder)
-    start, done = records.read(s)
-    report.write(into, report.build(s.as_dict(), start, [done[c.id] for c in s.cells() if c.id in done]))
+    report.write(into, stage.build_report(s, *records.read(s)))
 
 
 def stale(folder: Path, into: Path) -> list[str]:

@@ -59,6 +59,7 @@ class Staged:
         self.overwrite, self.resume = overwrite, resume
         self.identity = None if identity is None else json.loads(json.dumps(identity, default=str))
         self.run_id: str | None = None  # the unfinished run this one continues, if any
+        self._fresh = self._bound = False  # this run made `.partial/`; a run doing the work was bound to it
         self._continues()  # a rerun with other parameters is refused here, before the stage loads any model
 
     @property
@@ -76,6 +77,7 @@ class Staged:
                 shutil.rmtree(self.work)
             elif self.resume is False:
                 raise SlmsqlError(f"{self.work} holds an unfinished run: pass --resume to continue it, or --overwrite")
+        self._fresh = not self.work.exists()
         self.work.mkdir(parents=True, exist_ok=True)
         return self._continues()
 
@@ -98,6 +100,7 @@ class Staged:
         """Record the MLflow run doing this work, so a rerun after a crash continues it (main process)."""
         if self.resumable and distributed.is_main():
             write_json(self.work / STATE, {"identity": self.identity, "run_id": run_id})
+            self._bound = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
@@ -116,7 +119,9 @@ class Staged:
             self._failed()
 
     def _failed(self) -> None:
-        if not self.resumable and distributed.is_main():
+        # kept for a rerun only when it holds a run's work: not when the run never started (its tracking server
+        # unreachable, say) in a folder this run made
+        if (not self.resumable or (self._fresh and not self._bound)) and distributed.is_main():
             shutil.rmtree(self.work, ignore_errors=True)
 
 

@@ -54,6 +54,27 @@ def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -
     return run, by_id
 
 
+def answer_all(work, examples, answers: Path, payloads: dict | None, loaded) -> dict[str, tuple]:
+    """id -> (prediction, results row) of every question, on the stage's engine: the answers of a killed run read
+    back from `answers` (not generated again), each new batch's appended to it and synced as soon as it exists."""
+    from slmsql.generation import engines
+
+    got: dict[str, tuple] = {}
+    known = {q: row["answer"] for q, row in load_finished(answers, examples).items()}
+    if known:
+        log.info("resuming: %d of %d questions answered before, not generated again", len(known), len(examples))
+    with open(answers, "a", encoding="utf-8") as sink:
+        def on_answers(batch: dict) -> None:
+            sink.write("".join(dumps({"id": q, "answer": a}) + "\n" for q, a in batch.items()))
+            sink.flush()
+            os.fsync(sink.fileno())
+
+        engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
+                    payloads=payloads, policy=loaded, known=known or None,
+                    on_answers=None if payloads is not None else on_answers)
+    return got
+
+
 def main(cfg: EvaluateConfig) -> dict:
     import mlflow
 
@@ -91,20 +112,8 @@ def main(cfg: EvaluateConfig) -> dict:
         work_dir = st.work
         mlflow.log_metrics(token_metrics)
         data = tracking.log_dataset([e.to_json() for e in examples], dataset, cfg.data, context="evaluation")
-        got: dict[str, tuple] = {}
         answers = work_dir / "answers.jsonl"  # every finished batch's answers at once (resume)
-        known = {q: row["answer"] for q, row in load_finished(answers, examples).items()}
-        if known:
-            log.info("resuming: %d of %d questions answered before, not generated again", len(known), len(examples))
-        with open(answers, "a", encoding="utf-8") as sink:
-            def on_answers(batch: dict) -> None:
-                sink.write("".join(dumps({"id": q, "answer": a}) + "\n" for q, a in batch.items()))
-                sink.flush()
-                os.fsync(sink.fileno())
-
-            engines.run(work, examples, lambda items: got.update((e.id, (p, r)) for e, p, r in items),
-                        payloads=preds if cfg.predictions else None, policy=loaded, known=known or None,
-                        on_answers=None if cfg.predictions else on_answers)
+        got = answer_all(work, examples, answers, preds if cfg.predictions else None, loaded)
         results = [got[e.id][1] for e in examples]
         if not cfg.predictions:
             preds = {e.id: got[e.id][0] for e in examples}

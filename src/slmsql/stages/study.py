@@ -52,12 +52,19 @@ def references_todo(study: spec.Study, done: dict, cfg: StudyRunConfig) -> list[
     return names if not cfg.shard or cfg.shard.split("/")[0] == "1" else []
 
 
+def build_report(study: spec.Study, start, done: dict) -> dict:
+    """The study's report from its records: the start's, the cells' (`done`) and the references' (read here)."""
+    from slmsql.studies import report as reporting
+
+    refs = records.references(study, start)
+    return reporting.build(study.as_dict(), start, [done[c.id] for c in study.cells() if c.id in done],
+                           [refs[r] for r in study.references if r in refs])
+
+
 def write_report(study: spec.Study, start, done: dict) -> dict:
     from slmsql.studies import report as reporting  # matplotlib: loaded only when a report is written
 
-    refs = records.references(study, start)
-    rep = reporting.build(study.as_dict(), start, [done[c.id] for c in study.cells() if c.id in done],
-                          [refs[r] for r in study.references if r in refs])
+    rep = build_report(study, start, done)
     reporting.write(study.folder, rep)
     return rep
 
