@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 
 import pytest
+import watched
 from inline import InlineExecutor
 
 from slmsql.rewards import registry as rewards
@@ -137,7 +137,7 @@ def test_the_filter_puts_a_gold_empty_question_in_errors(suites):
 
 def test_evaluate_cli_in_test_suite_mode(suites, tmp_path):
     qs = {"close": (GOLD, CLOSE), "right": (GOLD, GOLD), "wrong": (GOLD, "SELECT name FROM singer"),
-          "empty": (EMPTY, "SELECT name FROM singer WHERE 0")}
+          "empty": (EMPTY, "SELECT name FROM singer WHERE 0"), "nosql": (GOLD, "")}
     gold = tmp_path / "gold.jsonl"
     gold.write_text("".join(json.dumps({"id": k, "db_id": "club", "question": k, "sql": g}) + "\n"
                             for k, (g, _) in qs.items()))
@@ -145,19 +145,19 @@ def test_evaluate_cli_in_test_suite_mode(suites, tmp_path):
     preds.write_text("".join(json.dumps({"id": k, "sql": p}) + "\n" for k, (_, p) in qs.items()))
     out = tmp_path / "out"
     env = {**os.environ, "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]}
-    run = subprocess.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(gold), "--db-root",
-                          str(suites), "--predictions", str(preds), "--output-dir", str(out), "--workers", "1",
-                          "--match", "test-suite"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=300)
+    run = watched.run([sys.executable, "-m", "slmsql.cli", "evaluate", "--data", str(gold), "--db-root",
+                       str(suites), "--predictions", str(preds), "--output-dir", str(out), "--workers", "1",
+                       "--match", "test-suite"], env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["id"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert {k: (r["status"], r.get("single_db_correct")) for k, r in rows.items()} == {
         "close": ("wrong_result", True), "right": ("correct", True), "wrong": ("wrong_result", False),
-        "empty": ("gold_empty", None)}
+        "empty": ("gold_empty", None), "nosql": ("no_sql", False)}
     m = json.loads((out / "metrics.json").read_text())
-    # the empty gold is reported, not counted: 1 right of 3 scored; one database alone would say 2 of 3
-    assert (m["n"], m["n_correct"], m["gold_unscored_ids"], m["n_gold_unscored"]) == (3, 1, ["empty"], 1)
-    assert m["ex_single_db"] == pytest.approx(2 / 3) and m["suite_single_disagree"] == pytest.approx(1 / 3)
+    # the empty gold is reported, not counted: 1 right of 4 scored; one database alone would say 2 of 4 (an answer
+    # with no SQL is wrong there too, and the figure is kept: it was dropped when any answer had no SQL)
+    assert (m["n"], m["n_correct"], m["gold_unscored_ids"], m["n_gold_unscored"]) == (4, 1, ["empty"], 1)
+    assert m["ex_single_db"] == pytest.approx(2 / 4) and m["suite_single_disagree"] == pytest.approx(1 / 4)
 
     import mlflow
 

@@ -124,8 +124,8 @@ def _judge_suites(items, executor, keep_rows: bool) -> list[Outcome]:
         if problems[i] is not None:
             out.append(problems[i])
             continue
-        if pred is None:
-            out.append(Outcome(False, "no_sql"))
+        if pred is None:  # wrong on one database as on all: ex_single_db counts it so
+            out.append(Outcome(False, "no_sql", single=False))
             continue
         verdicts = [r.status == "ok" and results_match(r.rows, g.rows, "spider", gold_sql)
                     for r, g in zip(preds[i], by_q[i])]
