@@ -112,6 +112,7 @@ def test_a_model_that_numbers_columns_takes_the_plain_path(prompts, monkeypatch)
     assert not shared_schema.supported(model)
 
 
+@pytest.mark.slow  # seconds of new processes or whole builds: outside the fast tier (issue 55)
 def test_evaluate_through_the_cli_with_and_without_it(world, tmp_path):
     """`slmsql evaluate --shared-schema false` in a new process, and the default in this one: the same predictions
     but at near-ties, and the option is the run's parameter."""

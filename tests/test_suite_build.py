@@ -102,6 +102,7 @@ def test_gold_literals_land_in_their_columns_and_follow_foreign_keys(inputs):
     assert more["singer", "name"] == ["Kyle"]
 
 
+@pytest.mark.slow  # seconds of new processes or whole builds: outside the fast tier (issue 55)
 def test_the_same_seed_gives_the_same_bytes_another_seed_others(inputs, tmp_path):
     entry, qs = inputs
 
@@ -200,6 +201,7 @@ def test_spider_json_records_and_unknown_db_ids_are_named(tmp_path):
 
 # ---- the command, in a new process ---------------------------------------------------------------------------
 
+@pytest.mark.slow  # seconds of new processes or whole builds: outside the fast tier (issue 55)
 def test_suite_build_cli_writes_the_suite_and_an_mlflow_run(tmp_path):
     import mlflow
 
