@@ -136,6 +136,8 @@ class Model(Backend, Precision, PolicyPrompt):
                               "question from a copy of its cache (the same computation in another float order). "
                               "false: every prompt computed whole. vLLM shares prefixes itself (prefix caching).")
     max_new_tokens: int = opt(128, "Generation budget per completion.")
+    db_ids: list[str] = opt([], "Use only the questions on these databases (comma-separated db_ids; empty: all), "
+                            "before --limit: a split of a benchmark by database.")
     limit: int = opt(0, "Use only the first N questions of --data (0: all).")
 
 

@@ -116,6 +116,19 @@ def read_gold(path) -> list[Example]:
     return examples
 
 
+def questions(path, db_ids=(), limit: int = 0) -> list[Example]:
+    """The questions a stage takes from gold file `path`: those on the databases `db_ids` names (all when empty;
+    a split of a benchmark by database, as a study declares it), then the first `limit` of them (0: all). Ids are
+    the file's own, so a split's questions keep the ids they have in the whole file."""
+    examples = read_gold(path)
+    if db_ids:
+        unknown = sorted(set(db_ids) - {e.db_id for e in examples})
+        if unknown:
+            raise DataError(f"no question of {path} is on database(s) {unknown}", "command line", field="db_ids")
+        examples = [e for e in examples if e.db_id in set(db_ids)]
+    return examples[:limit or None]
+
+
 def db_id_problem(db_id) -> str | None:
     """Why `db_id` cannot name a database, or None. A db_id is joined into a path under --db-root, so it must
     be a plain name: non-empty, no '/' or '\\', not '.' or '..', no NUL (`../../x` would look outside)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from slmsql.configs import EvaluateConfig
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.data import (check_databases, dumps, load_finished, read_gold, read_jsonl, read_predictions,
+from slmsql.inputs.data import (check_databases, dumps, load_finished, questions, read_jsonl, read_predictions,
                                 write_json, write_jsonl)
 from slmsql.runtime.outputs import Staged
 from slmsql.sql.scoring import ex_summary, result_row, split_scored
@@ -28,8 +28,8 @@ from slmsql.tracking.figures import ex_figure
 
 log = logging.getLogger(__name__)
 # what decides a question's greedy answer (the batch plan included); not the engine, the match or the timeout
-RESUME_KEYS = ("data", "limit", "db_root", "predictions", "model", "adapter", "backend", "dtype", "batch_size",
-               "shared_schema", "max_new_tokens", "prompt_style", "example_values", "tables_json")
+RESUME_KEYS = ("data", "db_ids", "limit", "db_root", "predictions", "model", "adapter", "backend", "dtype",
+               "batch_size", "shared_schema", "max_new_tokens", "prompt_style", "example_values", "tables_json")
 
 
 def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> tuple[object, dict[str, dict]]:
@@ -82,7 +82,7 @@ def main(cfg: EvaluateConfig) -> dict:
     from slmsql.tracking import descriptions, lineage, vocabulary
     from slmsql.tracking import runs as tracking
 
-    examples = read_gold(cfg.data)[:cfg.limit or None]
+    examples = questions(cfg.data, cfg.db_ids, cfg.limit)
     check_databases(examples, cfg.db_root, cfg.data)
     st = Staged(cfg.output_dir, cfg.overwrite, identity={k: getattr(cfg, k) for k in RESUME_KEYS})
     if cfg.predictions:

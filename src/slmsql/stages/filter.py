@@ -15,14 +15,14 @@ import os
 
 from slmsql.configs import FilterConfig
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.data import dumps, load_finished, read_gold, write_json, write_jsonl
+from slmsql.inputs.data import dumps, load_finished, questions, write_json, write_jsonl
 from slmsql.runtime.outputs import Staged
 from slmsql.sql.passrates import CHUNK, bucket_summary
 from slmsql.tracking.figures import histogram_figure
 
 log = logging.getLogger(__name__)
-RESUME_KEYS = ("data", "limit", "db_root", "model", "adapter", "backend", "dtype", "k", "temperature", "top_p",
-               "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values",
+RESUME_KEYS = ("data", "db_ids", "limit", "db_root", "model", "adapter", "backend", "dtype", "k", "temperature",
+               "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed", "prompt_style", "example_values",
                "tables_json", "match", "timeout_s")
 
 
@@ -40,7 +40,7 @@ def main(cfg: FilterConfig) -> dict:
     # args, the policy's prompt settings and the prompts' token budget: all before any model loads
     if not (0 <= cfg.low < cfg.high <= 1) or cfg.k < 1:
         raise DataError(f"need k >= 1 and 0 <= low < high <= 1, got k={cfg.k} low={cfg.low} high={cfg.high}")
-    examples = read_gold(cfg.data)[:cfg.limit or None]
+    examples = questions(cfg.data, cfg.db_ids, cfg.limit)
     engines.check_settings(engines.Work("filter", cfg), generating=True)
     policy = Policy.resolve(cfg, cfg.adapter, local=cfg.engine != "ray")  # Ray's actors resolve the dtype there
     work = engines.Work("filter", cfg, policy)

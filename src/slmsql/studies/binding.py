@@ -63,7 +63,8 @@ def normalised(study: Study, recorded: dict | None = None) -> dict:
         data = {"path": BAND} if es.data == BAND else {"path": es.data,
                                                          "sha256": sha(es.data, False, was.get("data"))}
         sets.append({"name": es.name, "data": data,
-                     "db_root": {"path": es.db_root, "sha256": sha(es.db_root, True, was.get("db_root"))}})
+                     "db_root": {"path": es.db_root, "sha256": sha(es.db_root, True, was.get("db_root"))},
+                     **({"db_ids": sorted(es.db_ids)} if es.db_ids else {})})  # a split: which questions
     norm = {"alpha": study.alpha, "comparisons": study.comparisons, "eval_sets": sets,
             "db_root": {"path": study.db_root, "sha256": sha(study.db_root, True, old.get("db_root"))}}
     return {**norm, "sha256": _digest(norm)}

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import shutil
 from pathlib import Path
 
 from slmsql import configs
-from slmsql.configs import GRPOStageConfig
+from slmsql.configs import FilterConfig, GRPOStageConfig
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.data import read_jsonl
+from slmsql.inputs.data import questions, read_jsonl, write_jsonl
 from slmsql.studies import diagnosis, records, spec
 from slmsql.studies.spec import BAND, SECTIONS, Cell, Study
 from slmsql.workflow.steps import Steps, code_version, project_path, use_this_cli
@@ -66,7 +67,7 @@ def _loads(study: Study, policy: str, adapter_key: str) -> dict:
     """How a step loads the start: a LoRA adapter on the study's base model, or a whole model folder."""
     if (Path(policy) / "adapter_config.json").is_file():
         return {"model": _path(study.model), adapter_key: project_path(policy)}
-    return {"model": project_path(policy)}
+    return {"model": _path(policy)}  # a whole model: a folder, or a zero-shot start's Hub id
 
 
 def _path(p: str) -> str:
@@ -74,16 +75,63 @@ def _path(p: str) -> str:
 
 
 def _pin(study: Study, policy: str, band: str) -> None:
-    """Copy the start's files (its policy folder's top-level files, checkpoints aside, and its band) into the
-    study folder, whole or not at all."""
+    """Copy the start's files (its policy folder's top-level files, checkpoints aside, and its band; a zero-shot
+    start's band alone: its policy is the model, named by Hub id or path) into the study folder, whole or not at
+    all."""
     tmp = study.folder / ".start.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "policy").mkdir(parents=True)
-    for f in Path(policy).iterdir():
-        if f.is_file():
-            shutil.copy2(f, tmp / "policy" / f.name)
+    tmp.mkdir(parents=True)
+    if not study.zero_shot:
+        (tmp / "policy").mkdir()
+        for f in Path(policy).iterdir():
+            if f.is_file():
+                shutil.copy2(f, tmp / "policy" / f.name)
     shutil.copy2(band, tmp / "band.jsonl")
     tmp.rename(study.pinned)
+
+
+def _pinned(study: Study) -> tuple[str, str] | None:
+    """The (policy, band) pinned in `study`'s folder, or None when it holds none."""
+    policy, band = study.pinned / "policy", study.pinned / "band.jsonl"
+    if not band.is_file() or not (study.zero_shot or policy.is_dir()):
+        return None
+    return (study.model if study.zero_shot else str(policy)), str(band)
+
+
+def _fingerprint(policy: str, band: str) -> dict:
+    """records.fingerprint of a policy folder, or of the files a Hub id names in this machine's cache (a zero-shot
+    start's model: its weights are hashed, not its name)."""
+    if not Path(policy).exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            policy = snapshot_download(policy, local_files_only=True)
+        except Exception as e:  # not in the cache, or not a repo id: huggingface_hub's errors vary
+            raise DataError(f"the start's model {policy!r} is neither a folder nor in this machine's Hugging Face "
+                            f"cache ({type(e).__name__}): put it there first (docs/real-model.md)", "start.model") \
+                from None
+    return records.fingerprint(policy, band)
+
+
+SAMPLE_SEED = 0  # an unfiltered arm's questions: drawn once per start, the same for every seed (as the band is)
+
+
+def training_data(study: Study, arm: str, st: Start, out: Path) -> str:
+    """The file arm `arm` trains on: the start's band, or (train_on: sample) as many of the filter's own source
+    questions drawn at random, unfiltered (every pass-rate bucket), written to `out`."""
+    if study.train_on.get(arm) != "sample":
+        return st.band
+    src = spec.spec_of_start(study)
+    cfg = spec._resolve(FilterConfig, src.band)
+    pool = questions(spec.found(cfg.data), cfg.db_ids, cfg.limit)
+    n = len(read_jsonl(st.band))
+    if n > len(pool):
+        raise DataError(f"the band has {n} questions, its source only {len(pool)}", src.path, field="band")
+    chosen = set(random.Random(SAMPLE_SEED).sample(range(len(pool)), n))
+    path = out / "train-sample.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [e.to_json() for i, e in enumerate(pool) if i in chosen])  # in source order
+    return str(path)
 
 
 def _eval(s: Steps, study: Study, name: str, loads: dict, band: str, tags: dict, out: Path) -> dict:
@@ -92,6 +140,7 @@ def _eval(s: Steps, study: Study, name: str, loads: dict, band: str, tags: dict,
         data = band if es.data == BAND else es.data
         runs[es.name] = s.run("evaluate", f"eval {es.name} {name}", tags=tags, output_dir=str(out / f"eval-{es.name}"),
                               **loads, data=project_path(data), db_root=project_path(es.db_root),
+                              **({"db_ids": ",".join(es.db_ids)} if es.db_ids else {}),
                               dataset_name=es.name, alpha=str(study.alpha), **_section("evaluate", study.evaluate))
     return runs
 
@@ -108,20 +157,20 @@ def inputs(study: Study, band: str) -> dict:
 
 def start(study: Study, s: Steps, known: dict | None) -> Start:
     """The study's start (made, found or pinned), and its record: written here when there was none."""
-    pinned = study.pinned / "policy", study.pinned / "band.jsonl"
+    pinned = _pinned(study)
     tags = {"slmsql.study": study.name, "slmsql.cell": records.START}
     if study.start_from:  # another study's pinned start, checked against that study's record
         other = spec.load(study.start_from)
         theirs, _ = records.read(other)
-        pinned = other.pinned / "policy", other.pinned / "band.jsonl"
-        if theirs is None or not pinned[0].is_dir():
+        pinned = _pinned(other)
+        if theirs is None or pinned is None:
             raise DataError(f"start.from {other.folder}: that study's start is not recorded and pinned yet (run "
                             f"`slmsql study run {other.folder} --cells start` with start.pin: true)", study.path,
                             field="start.from")
-        if records.fingerprint(*pinned)["fingerprint"] != theirs["start"]["fingerprint"]:
+        if _fingerprint(*pinned)["fingerprint"] != theirs["start"]["fingerprint"]:
             raise DataError("pinned start's files do not match its record's fingerprint", other.pinned)
-    if pinned[0].is_dir() and pinned[1].is_file():
-        policy, band, made = str(pinned[0]), str(pinned[1]), {}
+    if pinned:
+        (policy, band), made = pinned, {}
     else:
         made = {}
         if study.sft is not None:
@@ -130,12 +179,12 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
                                 db_root=project_path(study.db_root))  # its data's schemas are the study's databases
             policy = s.artifact(made["sft"], "policy")
         else:
-            policy = study.adapter
+            policy = study.adapter or study.model  # a given start, or the model zero-shot
         made["filter"] = s.run("filter", "start filter", tags=tags, output_dir=str(s.out / "start" / "filter"),
                                **_section("band", study.band), **_loads(study, policy, "adapter"),
                                db_root=project_path(study.db_root))
         band = s.artifact(made["filter"], "band.jsonl")
-    fp = records.fingerprint(policy, band)
+    fp = _fingerprint(policy, band)
     where = "pinned in " + str(study.pinned) if not made else "made on this machine"
     if known is not None:
         if fp["fingerprint"] != known["start"]["fingerprint"]:
@@ -150,7 +199,7 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
         return Start(policy, band, known)
     if study.pin and made:
         _pin(study, policy, band)
-        policy, band = str(pinned[0]), str(pinned[1])
+        policy, band = _pinned(study)
     evals = _eval(s, study, "start", _loads(study, policy, "adapter"), band, tags, s.out / "start")
     res = _results(s, evals)
     filt = made.get("filter")
@@ -191,8 +240,9 @@ def cell(study: Study, s: Steps, c: Cell, st: Start) -> dict:
     tags = {"slmsql.study": study.name, "slmsql.cell": c.id, "slmsql.variant": c.arm, "slmsql.seed": c.seed}
     grpo_params = {k: configs.param_text(v) for k, v in dataclasses.asdict(study.grpo_config(c.arm)).items()
                    if k not in configs.SWEEP_OWNED}
+    data = training_data(study, c.arm, st, out)
     grpo = s.run("grpo", f"grpo {c.id}", tags=tags, output_dir=str(out / "grpo"), seed=c.seed, **grpo_params,
-                 **_loads(study, st.policy, "base_adapter"), data=project_path(st.band),
+                 **_loads(study, st.policy, "base_adapter"), data=project_path(data),
                  db_root=project_path(study.db_root), experiment=study.experiment)
     model = _loads(study, st.policy, "adapter")["model"]
     evals = _eval(s, study, c.id, {"model": model, "adapter": s.uri(grpo, "adapter")}, st.band, tags, out)
@@ -201,7 +251,7 @@ def cell(study: Study, s: Steps, c: Cell, st: Start) -> dict:
                **{f"{k}/ex": sum(x for x, _ in v.values()) / max(len(v), 1) for k, v in res.items()}}
     # why it gained or did not, from the files its GRPO step left in its output folder (a step reused from this
     # store wrote the same folder)
-    why = diagnosis.of_run(out / "grpo", {str(r["id"]): r for r in read_jsonl(st.band)})
+    why = diagnosis.of_run(out / "grpo", {str(r["id"]): r for r in read_jsonl(data)})
     if not why["logged_steps"]:
         log.warning("cell %s: no training log in %s: its diagnosis is empty", c.id, out / "grpo")
     return records.make(study, c.id, config=study.cell_config(c), start=st.record["start"], code_version=s.version,

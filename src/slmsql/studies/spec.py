@@ -4,17 +4,21 @@ before anything runs. The commit that adds the file is the study's pre-registrat
     question: Does GRPO raise greedy EX on the band it trains on?
     experiment: slmsql-control             # MLflow experiment of its runs
     start:                                 # how the start is made: SFT of `model` (omit `sft` and give
-      model: outputs/tiny-model            #   `adapter` for a given start, or `from: studies/OTHER` for
-      sft: {max_steps: 700}                #   another study's pinned start); `pin` copies the made start
-      pin: true                            #   (policy and band) into the folder, so another machine
-                                           #   continues without remaking it
+      model: outputs/tiny-model            #   `adapter` for a given start, neither for `model` itself
+      sft: {max_steps: 700}                #   zero-shot, or `from: studies/OTHER` for another study's
+      pin: true                            #   pinned start); `pin` copies the made start (policy and
+                                           #   band; a zero-shot start's band alone) into the folder, so
+                                           #   another machine continues without remaking it
     band: {limit: 0, low: 0.1, high: 0.9}  # the filter's options
     db_root: outputs/toy/databases
     grpo: {max_steps: 600, learning_rate: 3e-4}     # every cell's GRPO options
     evaluate: {limit: 0}                            # every evaluation's options
-    arms: {outcome: {}, dense: {recipe: recipes/rewards/dense.yaml}}   # arm -> its GRPO options
+    arms: {outcome: {}, dense: {recipe: recipes/rewards/dense.yaml}}   # arm -> its GRPO options, and
+                                           #   `train_on: sample` for an arm that trains on as many of the
+                                           #   filter's questions, drawn unfiltered (default: the band)
     seeds: [0, 1, 2]
-    eval_sets: [{name: toy-band-seen, data: band}]  # `band`: the start's own band
+    eval_sets: [{name: toy-band-seen, data: band}]  # `band`: the start's own band; `db_ids: [..]` keeps
+                                           #   only a file's questions on those databases (a split)
     comparisons: [{arm: dense, against: outcome}]   # the Holm family (default: each arm vs the start)
     references: {zero-shot: {model: HuggingFaceTB/SmolLM2-135M-Instruct}}   # evaluated beside the start on every
                                            #   eval set (a model, `adapter` optional), outside the Holm family
@@ -50,7 +54,7 @@ SECTIONS = {
     "sft": (SFTStageConfig, STEP + ("model", "base_adapter", "seed", "db_root")),  # the study's one db_root
     "band": (FilterConfig, STEP + ("model", "adapter", "db_root")),
     "grpo": (GRPOStageConfig, tuple(configs.SWEEP_OWNED)),
-    "evaluate": (EvaluateConfig, STEP + ("model", "adapter", "data", "db_root", "dataset_name", "baseline_run",
+    "evaluate": (EvaluateConfig, STEP + ("model", "adapter", "data", "db_ids", "db_root", "dataset_name", "baseline_run",
                                          "predictions", "alpha", "seed")),
 }
 TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "evaluate", "arms", "seeds",
@@ -58,6 +62,7 @@ TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "e
 REFERENCE = "ref-"  # a reference's record is records/ref-<name>.json
 BUDGET = {"cell_minutes": 0.0, "cpus_per_cell": 1.0, "gpus_per_cell": 0.0}
 BAND = "band"  # an eval set whose data is the start's band
+TRAIN_ON = ("band", "sample")  # what an arm's GRPO trains on: the band, or as many source questions unfiltered
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class EvalSet:
     name: str
     data: str  # a gold file, or BAND
     db_root: str
+    db_ids: tuple[str, ...] = ()  # only the file's questions on these databases (empty: all)
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,12 @@ class Study:
     budget: dict = field(default_factory=lambda: dict(BUDGET))
     continue_with: list[dict] = field(default_factory=list)
     amendments: list[dict] = field(default_factory=list)  # {declaration: hash, reason, date}, in declared order
+    train_on: dict[str, str] = field(default_factory=dict)  # arm -> "sample" where it is not the band
+
+    @property
+    def zero_shot(self) -> bool:
+        """The start is the base model itself: no SFT, no adapter (its policy is `model`, by Hub id or path)."""
+        return not self.start_from and self.sft is None and not self.adapter
 
     @property
     def path(self) -> Path:
@@ -131,7 +143,13 @@ class Study:
     def cell_config(self, cell: Cell) -> dict:
         """What a cell's record must carry: the results it holds were computed under exactly this."""
         return {"arm": cell.arm, "seed": cell.seed, "grpo": _kept(self.grpo_config(cell.arm), "grpo"),
-                "evaluate": _kept(self.evaluate_config(), "evaluate"), "eval_sets": [es.name for es in self.eval_sets]}
+                "evaluate": _kept(self.evaluate_config(), "evaluate"), "eval_sets": [es.name for es in self.eval_sets],
+                **({"train_on": self.train_on[cell.arm]} if cell.arm in self.train_on else {})}
+
+    def source(self) -> dict:
+        """The filter's options of this study's start (another study's, for start.from): where its questions,
+        and so an unfiltered arm's, come from."""
+        return spec_of_start(self).band
 
     def reference_config(self, name: str) -> dict:
         """What a reference's record must carry: the policy it evaluated and how."""
@@ -155,6 +173,7 @@ class Study:
                 "arms": list(self.arms), "seeds": self.seeds, "eval_sets": [es.name for es in self.eval_sets],
                 "comparisons": self.comparisons, "plan": self.plan, "budget": self.budget,
                 "amendments": self.amendments, "references": self.references,
+                **({"train_on": self.train_on} if self.train_on else {}),
                 "cells": [{"cell": c.id, "arm": c.arm, "seed": c.seed} for c in self.cells()]}
 
 
@@ -236,6 +255,11 @@ class _Reader:
         return out
 
 
+def spec_of_start(study: Study) -> Study:
+    """The study whose declaration says how `study`'s start was made: itself, or the one start.from names."""
+    return load(found(study.start_from)) if study.start_from else study
+
+
 def found(path) -> Path:
     """A recipe or a study folder a declaration names, as this process finds it: relative to the folder it runs
     in, else to the project's (studies/ and recipes/ live there), so that a report is made from any folder."""
@@ -278,9 +302,9 @@ def load(folder, _via: tuple = ()) -> Study:
         start = {"model": load(other, chain).model, "from": str(other)}
     elif not start.get("model"):
         r.fail(("start",), "give the start's base model: start.model (a Hub id or a path)")
-    elif ("sft" in start) == bool(start.get("adapter")):
-        r.fail(("start",), "give either start.sft (how the start is made), start.adapter (a given start) or "
-                           "start.from (another study's)")
+    elif "sft" in start and start.get("adapter"):
+        r.fail(("start",), "give start.sft (how the start is made), start.adapter (a given start), neither (the "
+                           "model zero-shot) or start.from (another study's), not both sft and adapter")
     arms = r.mapping(doc["arms"], ("arms",))
     if not arms:
         r.fail(("arms",), "declare at least one arm")
@@ -297,6 +321,15 @@ def load(folder, _via: tuple = ()) -> Study:
     for i, s in enumerate(seeds):
         if s in seeds[:i]:
             r.fail(("seeds", i), f"seed {s} is listed twice")
+    train_on = {}
+    for name, value in arms.items():  # `train_on` is the study's, not a GRPO option: taken out before those
+        if isinstance(value, dict) and "train_on" in value:
+            value = dict(value)
+            if value.pop("train_on") not in TRAIN_ON:
+                r.fail(("arms", str(name), "train_on"), f"one of {list(TRAIN_ON)}")
+            if arms[name]["train_on"] == "sample":
+                train_on[str(name)] = "sample"
+            arms[name] = value
     db_root = str(doc.get("db_root", "outputs/toy/databases"))
     sets = _eval_sets(r, doc["eval_sets"], db_root)
     study = Study(
@@ -314,7 +347,7 @@ def load(folder, _via: tuple = ()) -> Study:
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
         continue_with=_continue_with(r, doc.get("continue_with")),
-        amendments=_amendments(r, doc.get("amendments")))
+        amendments=_amendments(r, doc.get("amendments")), train_on=train_on)
     if study.start_from and "band" in doc:
         r.fail(("band",), "a start taken from another study (start.from) comes with that study's band")
     if not 0 < study.alpha < 1:
@@ -332,12 +365,17 @@ def _eval_sets(r: _Reader, value, db_root: str) -> list[EvalSet]:
         r.fail(("eval_sets",), "expected a list of {name, data} (data: a gold file, or 'band')")
     out = []
     for i, item in enumerate(value):
-        item = r.mapping(item, ("eval_sets", i), {"name", "data", "db_root"})
+        item = r.mapping(item, ("eval_sets", i), {"name", "data", "db_root", "db_ids"})
         if not item.get("name") or not item.get("data"):
             r.fail(("eval_sets", i), "give both name and data")
         if not NAME.match(str(item["name"])) or str(item["name"]) in [es.name for es in out]:
             r.fail(("eval_sets", i, "name"), f"a new name of letters, digits, '.', '_' or '-', got {item['name']!r}")
-        out.append(EvalSet(str(item["name"]), str(item["data"]), str(item.get("db_root", db_root))))
+        ids = item.get("db_ids", [])
+        if not isinstance(ids, list) or not all(isinstance(x, str) and x for x in ids) or len(set(ids)) < len(ids):
+            r.fail(("eval_sets", i, "db_ids"), "expected a list of distinct database names (db_id)")
+        if ids and item["data"] == BAND:
+            r.fail(("eval_sets", i, "db_ids"), "the band is the start's own questions: no db_ids")
+        out.append(EvalSet(str(item["name"]), str(item["data"]), str(item.get("db_root", db_root)), tuple(ids)))
     return out
 
 
