@@ -188,6 +188,7 @@ def test_a_bad_record_is_refused_by_name_and_nothing_is_lost(folder, tmp_path, c
     assert says[case] in out.stderr
 
 
+@pytest.mark.slow
 def test_a_pinned_start_whose_files_changed_is_refused_and_nothing_is_lost(folder, tmp_path):
     s = spec.load(folder)
     (s.pinned / "policy").mkdir(parents=True)
@@ -286,10 +287,14 @@ def test_a_records_diagnosis_is_optional_and_checked_when_there(folder):
     good = dict.fromkeys(diagnosis.KEYS, None) | {"logged_steps": 20, "pass_first10": 0.25}
     path.write_text(json.dumps({**rec, "diagnosis": good}))
     assert records.read(s)[1]["a-seed1"]["diagnosis"] == good
+    older = {k: v for k, v in good.items() if k not in diagnosis.TELEMETRY}  # made before the seed's telemetry
+    path.write_text(json.dumps({**rec, "diagnosis": older}))
+    assert records.read(s)[1]["a-seed1"]["diagnosis"] == older
     for bad, where in (({**good, "zero_std": "25%"}, "field 'diagnosis.zero_std': corrupt record: expected a "
                                                       "number or null, got '25%'"),
                        ({**good, "pass_first10": True}, "field 'diagnosis.pass_first10'"),
                        ({k: v for k, v in good.items() if k != "draws_min"}, "field 'diagnosis': corrupt record"),
+                       ({k: v for k, v in good.items() if k != "grad_norm"}, "field 'diagnosis': corrupt record"),
                        ({**good, "lora": 1.0}, "field 'diagnosis': corrupt record")):
         path.write_text(json.dumps({**rec, "diagnosis": bad}))
         with pytest.raises(DataError, match=f"^{re.escape(str(path))}: {re.escape(where)}"):
@@ -335,15 +340,17 @@ def test_a_cell_records_the_diagnosis_of_its_grpo_runs_training_log(folder, tmp_
     s = spec.load(folder)
     band = tmp_path / "band.jsonl"
     band.write_text("".join(json.dumps({"id": f"b{i}", "question": q}) + "\n" for i, q in enumerate(["x?", "y?"])))
-    log = [{"exec/correct": c, "frac_reward_zero_std": 0.5, "completions/clipped_ratio": 0.0}
-           for c in [0.0] * 10 + [1.0] * 10] + [{"train_runtime": 1.0}]
+    log = [{"exec/correct": c, "frac_reward_zero_std": 0.5, "completions/clipped_ratio": 0.0, "reward_std": 0.1 * (i % 2),
+            "grad_norm": 0.25 if i < 10 else 0.75, "completions/mean_length": 20 + i}
+           for i, c in enumerate([0.0] * 10 + [1.0] * 10)] + [{"train_runtime": 1.0}]
     steps = FakeSteps(tmp_path / "work", log, drawn=["x?", "x?", "y?"])
     start = records.make(s, records.START, config=s.start_config(), start={"fingerprint": "f" * 64},
                          code_version=steps.version, results={}, metrics={}, runs={})
     rec = cells.cell(s, steps, s.cells()[0], cells.Start(str(folder.parent.parent / "model"), str(band), start))
-    assert rec["diagnosis"] == {"logged_steps": 20, "pass_first10": 0.0, "pass_last10": 1.0, "groups_vary": None,
-                                "zero_std": 0.5, "cut_first10": 0.0, "cut_last10": 0.0, "draws_min": 1,
-                                "draws_max": 2}
+    assert rec["diagnosis"] == pytest.approx({
+        "logged_steps": 20, "pass_first10": 0.0, "pass_last10": 1.0, "groups_vary": None, "zero_std": 0.5,
+        "cut_first10": 0.0, "cut_last10": 0.0, "reward_std": 0.05, "grad_norm": 0.5, "length": 29.5, "draws_min": 1,
+        "draws_max": 2})  # the seed's telemetry: means over the 20 logged steps (0.1 on every other; 20..39 tokens)
     records.write(s, start)
     records.write(s, rec)
     assert records.read(s)[1]["a-seed0"]["diagnosis"] == rec["diagnosis"]  # what it writes, it reads back
@@ -572,6 +579,7 @@ def test_the_transfer_study_is_the_pilots_length_with_the_reward_sets_on_held_ou
     assert power(900) >= 0.8 > power(787)
 
 
+@pytest.mark.slow
 def test_the_transfer_studys_held_out_sets_share_nothing_with_its_band(tmp_path):
     """toy-large's dev asks questions no training split asks, dev_cross about databases none touches: the
     band (the first 300 rl_source questions) and the SFT data never saw the first 900 of either."""
@@ -713,6 +721,7 @@ def test_a_cycle_of_start_from_is_refused_by_name(tmp_path, folder):
     assert e.value.field == "start.from"
 
 
+@pytest.mark.slow
 def test_a_report_is_made_from_any_folder_and_from_a_renamed_study_folder(tmp_path):
     """`study report` of a committed study (recipes and start.from relative to the project) from a folder that is
     not the project's, and of a copy of it under another name: the same numbers."""
@@ -802,6 +811,7 @@ def test_two_processes_racing_for_a_cell_one_holds_its_lease_until_it_ends(folde
     assert third.wait(timeout=watched.STALL_S) == 0
 
 
+@pytest.mark.slow
 def test_two_processes_writing_one_record_one_wins_and_the_other_is_told(folder, tmp_path):
     s = spec.load(folder)
     go = tmp_path / "go"

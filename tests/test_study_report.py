@@ -238,9 +238,11 @@ def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_
     all wrong then all right: 2.0 / 2.0. Arm d: no record."""
     start = start_record({"dev": right(8, 0, 1, 2, 3)})
     cells = [diagnosed("a", 0, {"dev": right(8, 2, 3, 4, 5)}, pass_first10=0.1, pass_last10=0.5, groups_vary=0.5,
-                       zero_std=0.2, cut_first10=0.5, cut_last10=0.0, draws_min=2, draws_max=3),
+                       zero_std=0.2, cut_first10=0.5, cut_last10=0.0, draws_min=2, draws_max=3, reward_std=0.4,
+                       grad_norm=0.5, length=80.0),
              diagnosed("a", 1, {"dev": right(8, *range(7))}, pass_first10=0.3, pass_last10=0.7, groups_vary=0.7,
-                       zero_std=0.4, draws_min=3, draws_max=4),  # a log without clipped_ratio
+                       zero_std=0.4, draws_min=3, draws_max=4, reward_std=0.2, grad_norm=1.5,
+                       length=61.0),  # a log without clipped_ratio
              diagnosed("b", 0, {"dev": right(8, 0, 1, 2, 3)}, pass_first10=0.4, pass_last10=0.4),
              cell("b", 1, {"dev": right(8, 0, 1, 2)}),
              cell("c", 0, {"dev": right(8)}), cell("c", 1, {"dev": right(8, *range(8))})]
@@ -248,7 +250,8 @@ def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_
     a, b, c, d = rep["diagnosis"]
     assert a == {"arm": "a", "seeds": [0, 1], "diagnosed": [0, 1], "logged_steps": 20, "pass_first10": 0.2,
                  "pass_last10": 0.6, "groups_vary": 0.6, "zero_std": pytest.approx(0.3), "cut_first10": 0.5,
-                 "cut_last10": 0.0, "draws_min": 2, "draws_max": 4, "turned": {"dev": {"right": 2.5, "wrong": 1.0}},
+                 "cut_last10": 0.0, "reward_std": pytest.approx(0.3), "grad_norm": 1.0, "length": 70.5, "draws_min": 2,
+                 "draws_max": 4, "turned": {"dev": {"right": 2.5, "wrong": 1.0}},
                  "cells": [{"seed": 0, "diagnosis": cells[0]["diagnosis"], "turned": {"dev": {"right": 2, "wrong": 2}}},
                            {"seed": 1, "diagnosis": cells[1]["diagnosis"], "turned": {"dev": {"right": 3, "wrong": 0}}}]}
     assert (b["diagnosed"], b["pass_first10"], b["groups_vary"], b["turned"]) == ([0], 0.4, None,
@@ -258,20 +261,26 @@ def test_the_diagnosis_per_arm_is_the_mean_over_its_seeds_and_the_turned_counts_
     assert (d["seeds"], d["turned"]) == ([], {"dev": None})
     md = report.markdown(rep)
     assert ("| arm | seeds | train pass rate, first -> last 10 steps | groups varying | zero reward std | cut at the "
-            "token budget, first -> last 10 | draws per band question | dev: turned right / wrong |\n") in md
-    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | 2.5 / 1.0 |\n" in md
-    assert "| b | 0, 1 (diagnosis not recorded: 1) | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | 0.0 / 0.5 |\n" in md
-    assert "| c | 0, 1 |" + " not recorded |" * 5 + " 2.0 / 2.0 |\n" in md
-    assert "| d | none recorded |" + " n/a |" * 6 + "\n" in md
+            "token budget, first -> last 10 | reward std | grad norm | length | draws per band question | dev: turned "
+            "right / wrong |\n") in md
+    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 0.30 | 1.00 | 70 | 2-4 | 2.5 / 1.0 |\n" in md
+    assert ("| b | 0, 1 (diagnosis not recorded: 1) | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | "
+            "0.0 / 0.5 |\n") in md
+    assert "| c | 0, 1 |" + " not recorded |" * 8 + " 2.0 / 2.0 |\n" in md
+    assert "| d | none recorded |" + " n/a |" * 9 + "\n" in md
     # each seed under its arm's mean, its own figures: a seed that went its own way is not hidden in the mean
-    assert ("| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | 2.5 / 1.0 |\n"
-            "| a | seed 0 | 0.10 -> 0.50 | 50% | 20% | 50% -> 0% | 2-3 | 2 / 2 |\n"
-            "| a | seed 1 | 0.30 -> 0.70 | 70% | 40% | n/a | 3-4 | 3 / 0 |\n") in md
-    assert ("| b | seed 0 | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | 0 / 0 |\n"
-            "| b | seed 1 |" + " not recorded |" * 5 + " 0 / 1 |\n") in md
+    assert ("| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 0.30 | 1.00 | 70 | 2-4 | 2.5 / 1.0 |\n"
+            "| a | seed 0 | 0.10 -> 0.50 | 50% | 20% | 50% -> 0% | 0.40 | 0.50 | 80 | 2-3 | 2 / 2 |\n"
+            "| a | seed 1 | 0.30 -> 0.70 | 70% | 40% | n/a | 0.20 | 1.50 | 61 | 3-4 | 3 / 0 |\n") in md
+    assert ("| b | seed 0 | 0.40 -> 0.40 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | 0 / 0 |\n"
+            "| b | seed 1 |" + " not recorded |" * 8 + " 0 / 1 |\n") in md
     assert "| d | seed" not in md
+    # a record from before the seed's telemetry: its columns n/a, the rest as they were
+    old = {k: v for k, v in cells[0]["diagnosis"].items() if k not in diagnosis.TELEMETRY}
+    assert "| a | 0 | 0.10 -> 0.50 | 50% | 20% | 50% -> 0% | n/a | n/a | n/a | 2-3 | 2.0 / 2.0 |\n" in report.markdown(
+        report.build(study(["a"], [0]), start, [{**cells[0], "diagnosis": old}]))
     # without the start's record nothing is turned against it
-    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 2-4 | n/a |\n" in report.markdown(
+    assert "| a | 0, 1 | 0.20 -> 0.60 | 60% | 30% | 50% -> 0% | 0.30 | 1.00 | 70 | 2-4 | n/a |\n" in report.markdown(
         report.build(study(["a", "b", "c", "d"], [0, 1]), None, cells))
 
 

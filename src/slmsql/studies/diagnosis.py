@@ -8,6 +8,8 @@ From its training log (TRL's `trainer_state.json` `log_history` of its last chec
     not vary at all (TRL's `frac_reward_zero_std`: no advantage, no gradient);
   - `cut_first10`, `cut_last10`: the share of completions cut at the token budget (TRL's
     `completions/clipped_ratio`), first vs last 10 steps: a reward that favours longer SQL shows here first;
+  - `reward_std`, `grad_norm`, `length`: the mean over logged steps of TRL's `reward_std`, `grad_norm` and
+    `completions/mean_length` (tokens), the telemetry the seed's card reports beside `frac_reward_zero_std`;
 and from its logged prompts (`completions/*.parquet`): `draws_min`, `draws_max`, how many steps drew each question
 of its RL data (a run that trains N passes says N-N). A figure its files lack is None.
 """
@@ -22,8 +24,9 @@ from pathlib import Path
 from statistics import fmean
 
 EDGE = 10  # logged steps at each end of the run
+TELEMETRY = ("reward_std", "grad_norm", "length")  # added 2026-12-07: records made before lack them
 KEYS = ("logged_steps", "pass_first10", "pass_last10", "groups_vary", "zero_std", "cut_first10", "cut_last10",
-        "draws_min", "draws_max")
+        *TELEMETRY, "draws_min", "draws_max")
 
 
 def log_history(grpo: Path) -> list[dict]:
@@ -49,7 +52,8 @@ def training(log: list[dict]) -> dict:
     return {"logged_steps": len(steps), "pass_first10": over("exec/correct", first),
             "pass_last10": over("exec/correct", last), "groups_vary": over("exec/frac_groups_correctness_varies"),
             "zero_std": over("frac_reward_zero_std"), "cut_first10": over("completions/clipped_ratio", first),
-            "cut_last10": over("completions/clipped_ratio", last)}
+            "cut_last10": over("completions/clipped_ratio", last), "reward_std": over("reward_std"),
+            "grad_norm": over("grad_norm"), "length": over("completions/mean_length")}
 
 
 def draws(grpo: Path, rl: Mapping[str, dict]) -> Counter:

@@ -163,7 +163,8 @@ def _read(path: Path, study: Study, cell: str) -> dict:
 
 
 def _check_diagnosis(d, path: Path) -> None:
-    if not isinstance(d, dict) or set(d) != set(diagnosis.KEYS):
+    before = set(diagnosis.KEYS) - set(diagnosis.TELEMETRY)  # a record made before the telemetry was kept
+    if not isinstance(d, dict) or set(d) not in (set(diagnosis.KEYS), before):
         raise DataError(f"corrupt record: expected an object of {list(diagnosis.KEYS)}", path, field="diagnosis")
     for key, value in d.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

@@ -184,7 +184,7 @@ def _diagnosis(arm: str, start: dict | None, recs: list[dict], ids: dict) -> dic
               {side: mean([c["turned"][es][side] for c in cells]) for side in ("right", "wrong")} for es in ids}
     return {"arm": arm, "seeds": [r["seed"] for r in recs],
             "diagnosed": [r["seed"] for r in recs if r.get("diagnosis") is not None],
-            **{k: mean([d[k] for d in have]) for k in diagnosis.KEYS if not k.startswith("draws_")},
+            **{k: mean([d.get(k) for d in have]) for k in diagnosis.KEYS if not k.startswith("draws_")},
             "draws_min": spread("draws_min", min), "draws_max": spread("draws_max", max), "turned": turned,
             "cells": cells}
 

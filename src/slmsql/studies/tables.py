@@ -73,32 +73,39 @@ def diagnosis_table(arms: list[dict], eval_sets: list[str]) -> list[str]:
     out = ["**Diagnosis.** Per arm, means over its recorded seeds, then each seed on its own row: the sampled "
            "training pass rate of the first and last 10 logged steps, the share of groups whose correctness varied "
            "and of groups with zero reward variance, completions cut at the token budget (first and last 10 steps), "
+           "the mean reward std, gradient norm and completion length (tokens) over the logged steps, "
            "how many steps drew each band question (min-max), and the questions the start got wrong and the cell "
            "right (turned right) and the reverse, per eval set. \"not recorded\": its records predate the "
            "diagnosis.", "",
            "| arm | seeds | train pass rate, first -> last 10 steps | groups varying | zero reward std | cut at the "
-           "token budget, first -> last 10 | draws per band question |"
+           "token budget, first -> last 10 | reward std | grad norm | length | draws per band question |"
            + "".join(f" {es}: turned right / wrong |" for es in eval_sets),
-           "|---|---|---|---:|---:|---|---|" + "---:|" * len(eval_sets)]
+           "|---|---|---|---:|---:|---|---:|---:|---:|---|" + "---:|" * len(eval_sets)]
     for a in arms:
         lacking = [s for s in a["seeds"] if s not in a["diagnosed"]]
         seeds = (", ".join(map(str, a["seeds"])) or "none recorded") + (
             f" (diagnosis not recorded: {', '.join(map(str, lacking))})" if lacking and a["diagnosed"] else "")
-        figures = _figures(a) if a["diagnosed"] else ["not recorded" if a["seeds"] else "n/a"] * 5
+        figures = _figures(a) if a["diagnosed"] else ["not recorded" if a["seeds"] else "n/a"] * COLUMNS
         turned = [f"{t['right']:.1f} / {t['wrong']:.1f}" if t else "n/a" for t in (a["turned"][es] for es in eval_sets)]
         out.append(f"| {a['arm']} | {seeds} |" + "".join(f" {x} |" for x in figures + turned))
         for c in a.get("cells", []) if len(a["seeds"]) > 1 else []:  # reports from before per-seed rows have none
-            figures = _figures(c["diagnosis"]) if c["diagnosis"] else ["not recorded"] * 5
+            figures = _figures(c["diagnosis"]) if c["diagnosis"] else ["not recorded"] * COLUMNS
             turned = [f"{t['right']} / {t['wrong']}" if t else "n/a" for t in (c["turned"][es] for es in eval_sets)]
             out.append(f"| {a['arm']} | seed {c['seed']} |" + "".join(f" {x} |" for x in figures + turned))
     return out
 
 
+COLUMNS = 8  # the training-log columns of a row
+
+
 def _figures(d: dict) -> list[str]:
-    """The training-log columns of one row, from an arm's means or one seed's figures (the same keys)."""
+    """The training-log columns of one row, from an arm's means or one seed's figures (the same keys; a record
+    from before the telemetry lacks reward_std, grad_norm and length: n/a)."""
     draws = "n/a" if d["draws_min"] is None else f"{d['draws_min']}-{d['draws_max']}"
+    num = lambda k, form: "n/a" if d.get(k) is None else form.format(d[k])  # noqa: E731
     return [_first_last(d, "pass", "{:.2f}"), _share(d["groups_vary"]), _share(d["zero_std"]),
-            _first_last(d, "cut", "{:.0%}"), draws]
+            _first_last(d, "cut", "{:.0%}"), num("reward_std", "{:.2f}"), num("grad_norm", "{:.2f}"),
+            num("length", "{:.0f}"), draws]
 
 
 def _first_last(arm: dict, name: str, form: str) -> str:
