@@ -46,6 +46,7 @@ def no_run_started():
 
 # ---- GRPO refuses it, through the command line, before any model loads -----------------------------------
 
+@pytest.mark.slow
 def test_a_band_too_small_for_one_step_is_refused_by_name_before_any_model_loads(shop, tmp_path):
     """A filter's output folder whose band holds 1 question, at the default batch shape (2 a step): `slmsql grpo`
     in a new process exits 2 naming the band's size, what a step draws and why, and the folder it came from. The
@@ -83,6 +84,7 @@ SHAPES = [  # (stage options, processes, questions one step draws)
 
 
 @pytest.mark.parametrize("over, world, need", SHAPES)
+@pytest.mark.slow
 def test_a_band_that_exactly_meets_the_minimum_is_not_refused(shop, tmp_path, monkeypatch, over, world, need):
     """`check_args` lets a band of exactly one step's draw through and refuses one question fewer, naming the number;
     the number is what TRL's own sampler, built as GRPOTrainer builds it from GRPOConfig, needs to yield anything."""
@@ -122,6 +124,7 @@ def test_trl_s_own_refusals_of_the_generation_batch_come_before_any_model_loads(
 
 # ---- the rl data check's minimum ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_rl_data_check_fails_a_band_smaller_than_its_minimum(shop, tmp_path):
     """Its default is what GRPO's default shape draws (the same rule), for filter and validate alike; a band below
     the minimum fails `band_fills_a_grpo_step`, the minimum in the report's parameters and description."""

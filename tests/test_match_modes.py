@@ -146,6 +146,7 @@ def fake_policy(monkeypatch):
 
 
 @pytest.mark.parametrize("match", ["bird", "spider"])
+@pytest.mark.slow
 def test_filter_cli_buckets_under_the_mode(shop, tmp_path, fake_policy, match):
     data = _write(tmp_path / "source.jsonl", [{"id": n, "db_id": "shop", "question": f"q {n}", "sql": g}
                                               for n, (g, *_) in FILTER.items()])

@@ -141,6 +141,7 @@ def test_a_refused_record_is_set_aside_and_blocks_no_later_stage(tmp_path):
     assert json.loads(durable.refused_file(folder).read_text())["record"]["key"] == "bad!key"
 
 
+@pytest.mark.slow
 def test_set_aside_records_keep_their_files_and_are_resent_once_the_cause_is_fixed(tmp_path):
     """The run was deleted meanwhile (a cleanup job): the store refuses its records, which are set aside, the
     table's file with them (the outbox is deleted once the rest is handled); the run restored, `slmsql

@@ -24,6 +24,7 @@ SHORT = ("grpo.max_steps=3 grpo.save_steps=2 grpo.completions_every=1 "
 REPO, BASE_REPO = "slmsql/toy-grpo", "slmsql/toy-sft"  # the pipeline's defaults
 
 
+@pytest.mark.slow
 def test_overrides_reach_their_stage_only_after_its_own_parameters(tmp_path):
     """The fast part of this module: SHORT, as `slmsql pipeline --overrides` parses it, lands on every step of
     the stage it names (over the step's own value) and on no other stage."""

@@ -137,6 +137,7 @@ def slmsql(*args, cwd, new_process=True):
     return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=stderr)
 
 
+@pytest.mark.slow
 def test_cli_plans_from_a_pilot_sweep(tmp_path):
     """`slmsql plan --pilot sweep.json`: the pilot's seeds and n, the given family; its pooled MDD is the
     one-sample t-test's (statsmodels' solve_power at alpha / 6, scaled by the pilot's per-question sd)."""
@@ -157,6 +158,7 @@ def test_cli_plans_from_a_pilot_sweep(tmp_path):
     (lambda r: r["rows"][0].pop("var_question"), [], "var_question"),
     (None, ["--pilot", ""], "--discordance"),
 ])
+@pytest.mark.slow
 def test_cli_bad_pilot_exits_before_any_output(tmp_path, edit, args, match):
     path, _ = pilot_report(tmp_path)
     if edit:
@@ -214,6 +216,7 @@ def test_seed_variance_interval_is_the_chi_square_tables():
     assert lo == pytest.approx(2 / 7.3778, rel=1e-4) and hi == pytest.approx(2 / 0.0506356, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_cli_answers_a_pilot_that_changed_no_answer(tmp_path):
     """GRPO that changed no answer (a plausible pilot at a low learning rate): every comparison has no variance
     and a difference of 0. The plan says so plainly (any gain > 0, sizes not reachable), no traceback."""
@@ -233,6 +236,7 @@ def test_cli_answers_a_pilot_that_changed_no_answer(tmp_path):
 
 @pytest.mark.parametrize("args", [["--power", "0.05"], ["--power", "0.04"],
                                   ["--power", "0.0083", "--family", "6"]])
+@pytest.mark.slow
 def test_cli_refuses_a_target_power_at_or_below_the_level(tmp_path, args):
     path, _ = pilot_report(tmp_path)
     proc = slmsql("--pilot", str(path), *args, "--output-dir", "out", cwd=tmp_path,
@@ -243,6 +247,7 @@ def test_cli_refuses_a_target_power_at_or_below_the_level(tmp_path, args):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.slow
 def test_cli_discordance_without_effect_says_it_plans_for_zero(tmp_path):
     proc = watched.run([sys.executable, "-m", "slmsql.cli", "plan", "--discordance", "0.2", "--n", "100",
                         "--output-dir", "out"], cwd=tmp_path)
@@ -260,6 +265,7 @@ def test_cli_discordance_without_effect_says_it_plans_for_zero(tmp_path):
 
 
 @pytest.mark.parametrize("seeds", [2, 3])
+@pytest.mark.slow
 def test_cli_notes_what_a_pilot_plan_rests_on(tmp_path, seeds):
     """A plan at the pilot's own effect warns of the winner's curse; its between-seed variance from S seeds has
     S - 1 df, stated with its interval (2 seeds: 0.2 to 1018 times the estimate). With --effect, no curse."""

@@ -270,6 +270,7 @@ def loads(monkeypatch):
     return loaded
 
 
+@pytest.mark.slow
 def test_dry_run_writes_exactly_the_folder(store, world, tmp_path, loads):
     from slmsql.stages.publish import main
 
@@ -665,6 +666,7 @@ def test_hub_base_model():
     assert [hub_base_model(p) for p in ("/models/my-sft", "./outputs/sft", "a/b/c", "")] == [None] * 4
 
 
+@pytest.mark.slow
 def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_path, monkeypatch, caplog):
     from slmsql.stages.publish import main
 
@@ -699,6 +701,7 @@ def test_local_base_model_is_written_but_never_pushed(store, world, hub, tmp_pat
 BASE_REPO = "stub-user/tiny-sft"
 
 
+@pytest.mark.slow
 def test_local_base_is_pushed_with_its_own_card(store, world, hub, tmp_path, monkeypatch, caplog):
     """--base-repo: the local base goes to its own repo first (its own commit and card), the adapter's card and
     adapter_config.json name that repo, and the registered text2sql model holds the base's weights."""
@@ -943,6 +946,7 @@ def hand_built_study(root: Path, ids: dict, as_run: bool = False, declared: str 
     return folder
 
 
+@pytest.mark.slow
 def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_path):
     from slmsql.stages.publish import main
     from slmsql.stats.wording import pts
@@ -994,6 +998,7 @@ def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_
     assert f"`{folder}`" in section(card, "Provenance")
 
 
+@pytest.mark.slow
 def test_an_arm_against_an_arm_is_said_as_better_or_not_not_as_transferred(store, tmp_path):
     """Against another arm the question is whether this arm transferred better, not whether it transferred: the
     card says "better than ARM" / "not better than ARM" there, and "transferred" only of comparisons with the
@@ -1027,6 +1032,7 @@ def test_an_arm_against_an_arm_is_said_as_better_or_not_not_as_transferred(store
     assert lines[("qatch vs outcome", "bird")].endswith("| no verdict |")
 
 
+@pytest.mark.slow
 def test_a_study_cells_card_compares_each_evaluation_with_the_starts(store, tmp_path):
     """A study's cells are evaluated without a baseline; the card pairs each with the start's evaluation of that
     set (from the records), as an evaluation run against it would have, and takes the start's filter run."""
@@ -1053,6 +1059,7 @@ def test_a_study_cells_card_compares_each_evaluation_with_the_starts(store, tmp_
         assert store[run] in section(card, "Provenance")
 
 
+@pytest.mark.slow
 def test_a_study_cell_publishes_where_the_starts_runs_are_not(store, tmp_path, caplog):
     """Studies run anywhere: the machine publishing a cell may not hold the start's runs (its records name them).
     The card's comparison with the start then comes from the records alone; what needs the runs themselves (the
@@ -1080,6 +1087,7 @@ def test_a_study_cell_publishes_where_the_starts_runs_are_not(store, tmp_path, c
     assert not (tmp_path / "again").exists()
 
 
+@pytest.mark.slow
 def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, tmp_path):
     from slmsql.stages.publish import main
 
@@ -1095,6 +1103,7 @@ def test_a_study_whose_report_is_stale_or_given_with_a_sweep_is_refused(store, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_is_no_cell_of_the_study_is_refused_from_the_command_line(store, tmp_path):
     folder = hand_built_study(tmp_path, store)
     proc = watched.run([sys.executable, "-m", "slmsql.cli", "publish", "--grpo-run", store["local_grpo"],

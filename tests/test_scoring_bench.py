@@ -93,6 +93,7 @@ def test_grpo_mix_judges_each_gold_k_times_with_repeated_samples(dbs):
 
 
 @pytest.mark.parametrize("mix", ["unique", "grpo"])
+@pytest.mark.slow
 def test_contenders_agree_and_stop_runaways(dbs, mix):
     rng = random.Random(2)
     if mix == "unique":

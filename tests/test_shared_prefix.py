@@ -158,6 +158,7 @@ def assert_same(plain, shared, mask, width, logp_tol=LOGP_TOL):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.slow
 def test_logps_entropies_and_lora_gradients_equal_the_plain_path(tmp_path, checkpointing, attn):
     model, folder = tiny_lm(tmp_path, attn)
     trainer = trainer_for(model, folder, tmp_path, checkpointing=checkpointing)
@@ -338,6 +339,7 @@ def test_computing_in_float32_is_float32_and_puts_everything_back(tmp_path):
         assert p.dtype == torch.bfloat16 and torch.equal(p, weights[n]), n
 
 
+@pytest.mark.slow
 def test_the_cost_model_counts_the_weights_each_forward_multiplies(tmp_path):
     """The cost model's per-token term against torch's own count of the matmul FLOPs both forwards run (its
     FlopCounterMode; it does not count the CPU's fused attention kernel, so that term is left out of both): within

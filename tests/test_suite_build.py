@@ -120,6 +120,7 @@ def test_the_same_seed_gives_the_same_bytes_another_seed_others(inputs, tmp_path
 
 # ---- the built suite ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_gold_has_rows_on_some_kept_database_or_is_listed(built, inputs):
     root, suite = built
     _, qs = inputs
@@ -139,6 +140,7 @@ def test_each_gold_is_right_against_itself_in_test_suite_mode(built, inputs):
     assert [(q.id, o.correct, o.status) for q, o in zip(qs, outs)] == [(q.id, True, "ok") for q in qs]
 
 
+@pytest.mark.slow
 def test_the_suite_tells_apart_more_neighbours_than_the_real_database(built, inputs):
     """The manifest's figure, recomputed through the `test-suite` mode: a neighbour the suite calls wrong is one it
     tells apart. The real database tells 1,076 of the 1,259 executable neighbours apart."""

@@ -46,6 +46,7 @@ def table(rows, source):
     return Counter((s, r) for src, s, r, *_ in rows if src == source)
 
 
+@pytest.mark.slow
 def test_the_suite_never_calls_right_what_the_real_database_shows_wrong(verdicts):
     false_right = [(q, p) for src, s, r, q, p in verdicts if s and not r]
     assert false_right == []

@@ -135,6 +135,7 @@ def test_the_filter_puts_a_gold_empty_question_in_errors(suites):
 
 # ---- evaluate from the command line, in a new process -------------------------------------------------------
 
+@pytest.mark.slow
 def test_evaluate_cli_in_test_suite_mode(suites, tmp_path):
     qs = {"close": (GOLD, CLOSE), "right": (GOLD, GOLD), "wrong": (GOLD, "SELECT name FROM singer"),
           "empty": (EMPTY, "SELECT name FROM singer WHERE 0"), "nosql": (GOLD, "")}

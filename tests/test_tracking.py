@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from ports import refused_port
 import watched
@@ -104,6 +105,7 @@ def test_every_run_that_samples_system_metrics_has_them_however_short(tmp_path, 
         assert [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")] == [0]
 
 
+@pytest.mark.slow
 def test_a_stage_run_leaves_no_experiment_id_for_the_processes_started_after_it(tmp_path):
     """mlflow.set_experiment exports MLFLOW_EXPERIMENT_ID, an id of this store: a process started afterwards
     against another store would look for that experiment there. A stage run in this process leaves the

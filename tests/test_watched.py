@@ -36,6 +36,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_silent_child_is_killed_with_its_process_group_as_stalled(tmp_path):
     with pytest.raises(watched.Stalled) as failed:
         watched.run([sys.executable, "-c", SILENT_AFTER_HELLO], stall_s=3, log=tmp_path / "log")
@@ -52,6 +53,7 @@ def test_a_silent_child_is_killed_with_its_process_group_as_stalled(tmp_path):
     assert (tmp_path / "log").read_text().startswith("hello ")
 
 
+@pytest.mark.slow
 def test_a_child_that_keeps_printing_runs_past_the_stall_limit_and_returns_its_output():
     done = watched.run([sys.executable, "-c", CHATTY], stall_s=3)  # it prints for 5 s and more
     assert done.returncode == 3
@@ -59,6 +61,7 @@ def test_a_child_that_keeps_printing_runs_past_the_stall_limit_and_returns_its_o
     assert done.stderr == "bye\n"
 
 
+@pytest.mark.slow
 def test_the_ceiling_stops_a_child_that_prints_forever():
     forever = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.05)\n"
     with pytest.raises(watched.Stalled, match="ran past its ceiling of 2 s") as failed:
