@@ -156,12 +156,13 @@ def test_a_zero_shot_start_is_the_model_its_weights_fingerprinted_and_its_band_a
 
 
 def test_a_start_model_by_hub_id_missing_from_the_cache_is_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     band = tmp_path / "band.jsonl"
     band.write_text("{}\n")
     with pytest.raises(DataError, match="neither a folder nor in this machine's Hugging Face cache") as e:
-        cells._fingerprint("nobody/no-such-model", str(band), tmp_path / "study.yaml")
+        cells.fingerprint("nobody/no-such-model", str(band), tmp_path / "study.yaml")
     assert (e.value.path, e.value.field) == (tmp_path / "study.yaml", "start.model")
 
 
@@ -216,3 +217,41 @@ def test_a_split_changed_after_the_records_is_refused_by_name(zero):
     path.write_text(path.read_text().replace("name: dev, data:", "name: dev, db_ids: [alpha], data:"))
     with pytest.raises(DataError, match=r"differs from the declaration .*: eval_sets\.dev\.db_ids\. "):
         records.read(spec.load(zero))
+
+
+def hub_cache(root: Path, repo: str, weights: bytes) -> Path:
+    """A Hugging Face cache holding `repo` (refs/main -> one snapshot with a weights file), as `make qwen-coder`
+    lays one out; returns the snapshot folder."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snap = repo_dir / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(weights)
+    (snap / "config.json").write_text("{}")
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text("a" * 40)
+    return snap
+
+
+def test_a_zero_shot_start_by_hub_id_is_fingerprinted_from_the_cache_here_and_on_a_worker(zero, tmp_path,
+                                                                                          monkeypatch):
+    """The driver and a Ray worker (`dispatch.main`) fingerprint the weights the cache holds for the Hub id."""
+    from slmsql.studies import dispatch
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # read when a download is asked for
+    snap = hub_cache(tmp_path / "cache", "org/tiny", b"cached weights")
+    path = zero / "study.yaml"
+    path.write_text(path.read_text().replace(f"model: {tmp_path / 'model'}", "model: org/tiny"))
+    s = spec.load(zero)
+    st = cells.start(s, FilterSteps(tmp_path / "work", ["q0", "q5"]), None)
+    assert st.policy == "org/tiny"
+    assert st.record["start"] == records.fingerprint(snap, s.pinned / "band.jsonl")
+    monkeypatch.setattr(cells, "steps", lambda *a, **k: None)
+    monkeypatch.setattr(cells, "cell", lambda study, steps, c, start: {"cell": c.id, "policy": start.policy})
+    out = tmp_path / "rec.json"
+    dispatch.main([str(zero), "a-seed0", "org/tiny", st.band, str(tmp_path / "w"), str(out), "true"])
+    assert json.loads(out.read_text()) == {"cell": "a-seed0", "policy": "org/tiny"}
+    (snap / "model.safetensors").write_bytes(b"other weights")  # another model under the same id: refused
+    with pytest.raises(Exception, match="not the one .* start record names"):
+        dispatch.main([str(zero), "a-seed1", "org/tiny", st.band, str(tmp_path / "w"), str(out), "true"])

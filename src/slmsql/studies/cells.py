@@ -98,7 +98,7 @@ def _pinned(study: Study) -> tuple[str, str] | None:
     return (study.model if study.zero_shot else str(policy)), str(band)
 
 
-def _fingerprint(policy: str, band: str, declared: Path) -> dict:
+def fingerprint(policy: str, band: str, declared: Path) -> dict:
     """records.fingerprint of a policy folder, or of the files a Hub id names in this machine's cache (a zero-shot
     start's model: its weights are hashed, not its name)."""
     if not Path(policy).exists():
@@ -167,7 +167,7 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
             raise DataError(f"start.from {other.folder}: that study's start is not recorded and pinned yet (run "
                             f"`slmsql study run {other.folder} --cells start` with start.pin: true)", study.path,
                             field="start.from")
-        if _fingerprint(*pinned, other.path)["fingerprint"] != theirs["start"]["fingerprint"]:
+        if fingerprint(*pinned, other.path)["fingerprint"] != theirs["start"]["fingerprint"]:
             raise DataError("pinned start's files do not match its record's fingerprint", other.pinned)
     if pinned:
         (policy, band), made = pinned, {}
@@ -184,7 +184,7 @@ def start(study: Study, s: Steps, known: dict | None) -> Start:
                                **_section("band", study.band), **_loads(study, policy, "adapter"),
                                db_root=project_path(study.db_root))
         band = s.artifact(made["filter"], "band.jsonl")
-    fp = _fingerprint(policy, band, spec.spec_of_start(study).path)
+    fp = fingerprint(policy, band, spec.spec_of_start(study).path)
     where = "pinned in " + str(study.pinned) if not made else "made on this machine"
     if known is not None:
         if fp["fingerprint"] != known["start"]["fingerprint"]:

@@ -144,7 +144,8 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     study = spec.load(folder)
     start, _ = records.read(study)
-    if start is None or records.fingerprint(policy, band)["fingerprint"] != start["start"]["fingerprint"]:
+    here = cells.fingerprint(policy, band, spec.spec_of_start(study).path)  # a zero-shot start's Hub id: its cache
+    if start is None or here["fingerprint"] != start["start"]["fingerprint"]:
         raise SlmsqlError(f"the start this worker reads ({policy}, {band}) is not the one {study.folder}'s start "
                           "record names (its fingerprint): not trained from")
     c = next(c for c in study.cells() if c.id == cell_id)
