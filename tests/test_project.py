@@ -2,9 +2,11 @@
 
 import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from slmsql.workflow.mlproject import render
@@ -84,3 +86,27 @@ def test_each_pytest_run_has_a_temp_folder_of_its_own(request, tmp_path_factory)
         assert base.name == os.environ["PYTEST_XDIST_WORKER"].replace("gw", "popen-gw")
         base = base.parent
     assert base.name.startswith("slmsql-pytest-") and base.parent.name != f"pytest-of-{base.owner()}"
+
+
+@pytest.mark.parametrize("model, hub_id, setup, out", [
+    (None, "HuggingFaceTB/SmolLM2-135M-Instruct", "scripts/smollm2.py", "outputs/smollm2"),
+    ("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "recipes/qwen2.5-coder-0.5b/gguf.json",
+     "outputs/qwen2.5-coder-0.5b"),
+    ("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "recipes/qwen2.5-coder-1.5b/gguf.json",
+     "outputs/qwen2.5-coder-1.5b"),
+])
+def test_demo_real_takes_the_model_its_recipes_name_and_lays_it_in_first(model, hub_id, setup, out):
+    """`make demo-real MODEL=...` (make's dry run: the commands it would run, in order): the model is laid into the
+    cache by its own target, then the lifecycle runs on the Hub id the recipes' sft.yaml names, with those recipes."""
+    r = subprocess.run(["make", "-n", "demo-real", *([f"MODEL={model}"] if model else [])], cwd=ROOT,
+                       capture_output=True, text=True, check=True, env={**os.environ, "MAKEFLAGS": ""})
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "slmsql pipeline" in line)
+    assert any(setup in line for line in lines[:at])
+    tail = " ".join(lines[at:])
+    assert f"--model {hub_id} " in tail and f"--recipes recipes/{model or 'smollm2-135m'} " in tail
+    assert f"--output-dir {out} " in tail
+    bad = subprocess.run(["make", "demo-real", "MODEL=nothing-here"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "MAKEFLAGS": ""}, timeout=60)  # refused before anything installs
+    assert bad.returncode != 0 and "MODEL=nothing-here: no recipes/nothing-here/sft.yaml" in bad.stderr
+    assert "pip" not in bad.stdout
