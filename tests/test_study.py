@@ -23,7 +23,7 @@ import watched
 
 from slmsql import configs
 from slmsql.configs import StudyRunConfig
-from slmsql.errors import DataError
+from slmsql.errors import DataError, SlmsqlError
 from slmsql.stages import study as stage
 from slmsql.studies import cells, diagnosis, dispatch, leases, records, spec
 
@@ -847,6 +847,61 @@ def test_a_cell_whose_lease_another_process_holds_is_skipped_here(folder, tmp_pa
     assert said[0][:2] == ("a-seed0", None) and "is being run by another process" in said[0][2]
     assert [x[1] for x in said[1:]] == [records.path_of(s, c) for c in trained]
     assert json.loads(records.path_of(s, "b-seed1").read_text())["shard"] == "1/1"
+
+
+class SerialRay:
+    """Ray's calls `dispatch.on_ray` makes, run in this process one task at a time (a task's error comes out of
+    `get`, as Ray's does): the dispatch's own logic without a cluster (test_a_killed_cell_... has the real one)."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def init(self, **_):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def remote(self, **_):
+        def task(fn):
+            def submit(*args):
+                ref = object()
+                self.calls[ref] = (fn, args)
+                return ref
+            return SimpleNamespace(remote=submit)
+        return task
+
+    def wait(self, refs, num_returns):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref):
+        fn, args = self.calls[ref]
+        return fn(*args)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_on_ray_a_failed_cell_stops_no_other_and_reuse_reaches_every_task(folder, monkeypatch, reuse):
+    s = spec.load(folder)
+    fake_records(s, cells=[])
+    got = []
+
+    def task(cwd, folder_, cell_id, policy, band, workdir, env, reuse_):
+        got.append((cell_id, reuse_))
+        if cell_id == "a-seed1":
+            raise RuntimeError("the worker's cell failed")
+        c = next(c for c in s.cells() if c.id == cell_id)
+        return records.make(s, c.id, config=s.cell_config(c), start={"fingerprint": "f" * 64}, code_version="c0de",
+                            results={"dev": {}}, metrics={}, runs={}, arm=c.arm, seed=c.seed)
+
+    monkeypatch.setitem(sys.modules, "ray", SerialRay())
+    monkeypatch.setattr(dispatch, "cell_task", task)
+    said = []
+    with pytest.raises(SlmsqlError, match=r"^1 cell\(s\) failed on Ray: a-seed1 \(the others are recorded\)"):
+        dispatch.on_ray(s, s.cells(), cells.Start("p", "b", {}), "w", "", lambda c, path, why="": said.append(
+            (c.id, path, why)), reuse=reuse)
+    assert got == [(c.id, reuse) for c in s.cells()]  # every task ran, each told the run's reuse
+    assert said[1] == ("a-seed1", None, "failed: the worker's cell failed")
+    assert sorted(records.read(s)[1]) == ["a-seed0", "b-seed0", "b-seed1"]
 
 
 def test_a_retry_kills_its_previous_attempts_group_only_on_the_machine_and_boot_it_ran_on(tmp_path):
