@@ -934,3 +934,17 @@ def test_a_record_leaves_out_the_questions_evaluate_leaves_out():
     assert sorted(records.results(rows, "test-suite")) == ["1", "4"]
     assert sorted(records.results(rows, "spider")) == ["1", "2", "3", "4"]
     assert records.results(rows, "test-suite")["1"] == [True, records.sql_hash("SELECT 1")]
+
+
+def test_secondary_comparisons_are_read_and_one_in_the_family_is_refused(folder):
+    path = folder / "study.yaml"
+    text = path.read_text()
+    path.write_text(text + "secondary:\n  - {arm: b}\n")
+    s = spec.load(folder)
+    assert s.secondary == [{"arm": "b", "against": "start", "eval_set": "dev"}]
+    assert s.as_dict()["secondary"] == s.secondary and s.comparisons == [
+        {"arm": "a", "against": "start", "eval_set": "dev"}, {"arm": "b", "against": "a", "eval_set": "dev"}]
+    path.write_text(text + "secondary:\n  - {arm: a}\n")  # a vs the start is the family's first comparison
+    with pytest.raises(DataError, match="is in the Holm family") as e:
+        spec.load(folder)
+    assert (e.value.path, e.value.field) == (path, "secondary")

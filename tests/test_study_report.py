@@ -324,8 +324,9 @@ def test_report_files_are_the_same_bytes_each_time(tmp_path):
     assert "| cell | code version | torch | cpu_capability | threads | device |\n" in md
     assert "| outcome-seed1 | abc123456789 | 2.13.0 | AVX512 | 2 | cpu |\n" in md
     assert "| outcome-seed0 | abc123456789 | 2.13.0 | AVX512 | 1 | cpu |\n" in md
-    assert "| outcome | 0, 1, 2 | 0.10 -> 0.30 | n/a | 33% | n/a | n/a | 3.0 / 0.0 | 3.0 / 0.0 |\n" in md
-    assert "| dense | 0, 1 |" + " not recorded |" * 5 + " 3.5 / 0.0 | 3.5 / 0.0 |\n" in md
+    assert ("| outcome | 0, 1, 2 | 0.10 -> 0.30 | n/a | 33% | n/a | n/a | n/a | n/a | n/a | 3.0 / 0.0 | 3.0 / 0.0 "
+            "|\n") in md
+    assert "| dense | 0, 1 |" + " not recorded |" * 8 + " 3.5 / 0.0 | 3.5 / 0.0 |\n" in md
     assert "2026-12-03" not in md  # no clock in the document: the same results read the same
     assert rep["provenance"][1]["finished_at"] == "2026-12-03T09:00:00Z"  # the numbers file keeps it
     assert (tmp_path / "one" / "forest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -417,3 +418,27 @@ def test_the_generator_refuses_what_it_cannot_place(tmp_path):
     bad = {"rows": [{"index": 0, "eval_set": "dev"}], "eval_sets": [{"name": "dev"}], "plan": {"readme": [3]}}
     with pytest.raises(DataError, match=r"report.json: field 'plan.readme': expected a list of comparison indexes"):
         readme.rows("x", {**bad, "records": {}, "missing": []})
+
+
+def test_secondary_comparisons_stay_outside_the_holm_family_with_their_p_unadjusted():
+    """Two arms against the start on dev (the family of 2), and the same on a second set declared secondary. 10
+    questions, the start right on 3; arm a right on 6 (every seed): each question's difference 1 (3) or 0 (7), the
+    paired t of the first test (p 0.081 on 9 df); arm b equal to the start (p 1). In the family Holm doubles a's p
+    (the smaller of 2); on the secondary set the same p stays as it is, and the family's is what it is without them."""
+    start = start_record({"dev": right(10, 0, 1, 2), "seen": right(10, 0, 1, 2)})
+    cells = [cell(a, s, {es: right(10, *(range(6) if a == "a" else range(3))) for es in ("dev", "seen")})
+             for a in ("a", "b") for s in (0, 1)]
+    family = [{"arm": a, "against": "start", "eval_set": "dev"} for a in ("a", "b")]
+    plain = report.build(study(["a", "b"], [0, 1], ("dev", "seen"), family), start, cells)
+    rep = report.build({**study(["a", "b"], [0, 1], ("dev", "seen"), family),
+                        "secondary": [{"arm": a, "against": "start", "eval_set": "seen"} for a in ("a", "b")]},
+                       start, cells)
+    p = 2 * student_t.sf(0.3 / math.sqrt(2.1 / 9 / 10), 9)
+    assert [r["p_holm"] for r in rep["rows"]] == [pytest.approx(2 * p), 1.0] == [r["p_holm"] for r in plain["rows"]]
+    a, b = rep["secondary"]
+    assert (a["eval_set"], a["p"], a["p_holm"], b["p_holm"]) == ("seen", pytest.approx(p), pytest.approx(p), 1.0)
+    assert rep["adjustment"] == plain["adjustment"] == "Holm over the 2 declared comparisons (one with records " \
+                                                      "missing enters as p = 1)"
+    md = report.markdown(rep)
+    assert "**Secondary comparisons.** Declared outside the Holm family" in md and "**seen** (secondary)" in md
+    assert "secondary" not in plain and "Secondary" not in report.markdown(plain)

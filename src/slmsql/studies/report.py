@@ -49,7 +49,13 @@ def build(study: dict, start: dict | None, cells: list[dict], references: list[d
             for i, comp in enumerate(study["comparisons"])]
     # one seed declared: nothing to make a random unit of, no method family
     compare.adjust(rows, alpha, seed_family=rows if len(study["seeds"]) > 1 else [], complete=lambda r: r["complete"])
-    for row in rows:
+    # outside the family: each row its own family of one, so its p is unadjusted and its verdict at alpha alone
+    secondary = [_row(i, comp, declared, start, got, ids[comp["eval_set"]], alpha)
+                 for i, comp in enumerate(study.get("secondary") or [])]
+    for row in secondary:
+        compare.adjust([row], alpha, seed_family=[row] if len(study["seeds"]) > 1 else [],
+                       complete=lambda r: r["complete"])
+    for row in rows + secondary:
         compare.finite(row)
     m = len(rows)
     return _json_safe({
@@ -71,6 +77,7 @@ def build(study: dict, start: dict | None, cells: list[dict], references: list[d
                        "ex_b": None if start is None else _ex([start["results"][es][q][0] for q in ids[es]])}
                       for es in study["eval_sets"]],
         "rows": rows,
+        **({"secondary": secondary} if study.get("secondary") else {}),  # only where declared: other reports unchanged
         "diagnosis": [_diagnosis(arm, start, [r for r in got.values() if r["arm"] == arm], ids)
                       for arm in study["arms"]],
         # a study that declares references (none: no keys, so the reports of those before them read as they did)
@@ -256,6 +263,7 @@ def markdown(report: dict) -> str:
                   # the rows with something to show: a planned study's has none, and no table
                   *tables.method_table([x for x in mine if x["diff"] is not None] if family else [], family, level,
                                        "comparison", lambda x: x["label"])]
+    lines += _secondary_tables(r, level)
     lines += [*tables.diagnosis_table(r["diagnosis"], [es["name"] for es in r["eval_sets"]]), ""]
     lines += _references_table(r, level)
     lines += ["**Missing records.**", ""]
@@ -272,6 +280,26 @@ def markdown(report: dict) -> str:
                   "the same)." + (f" Declaration: `{r['declaration']}` (its Holm family, alpha, eval sets' files and "
                                   "databases; bound in the start's record)." if r["declaration"] else ""), ""]
     return "\n".join(lines + _provenance_table(r["provenance"]))
+
+
+def _secondary_tables(r: dict, level: str) -> list[str]:
+    """The comparisons declared outside the Holm family: each p unadjusted ("p (Holm)" is the same p), each verdict
+    at alpha alone; supporting evidence, not the study's answer."""
+    if not r.get("secondary"):
+        return []
+    out = ["**Secondary comparisons.** Declared outside the Holm family: each row's p is unadjusted (its \"p "
+           "(Holm)\" is a family of one) and its verdict is at alpha alone; they support the answer, they are not "
+           "it.", ""]
+    several = len(r["seeds"]) > 1
+    for es in r["eval_sets"]:
+        mine = [x for x in r["secondary"] if x["eval_set"] == es["name"]]
+        if mine:
+            out += [f"**{es['name']}** (secondary): n = {'n/a' if es['n'] is None else es['n']}; starting EX "
+                    f"{pct(es['ex_b'])}.", "",
+                    *tables.pooled_table(mine, level, "comparison", lambda x: x["label"], "EX compared with"), "",
+                    *tables.method_table([x for x in mine if x["diff"] is not None] if several else [], 1, level,
+                                         "comparison", lambda x: x["label"])]
+    return out
 
 
 def _references_table(r: dict, level: str) -> list[str]:

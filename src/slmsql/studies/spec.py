@@ -20,6 +20,8 @@ before anything runs. The commit that adds the file is the study's pre-registrat
     eval_sets: [{name: toy-band-seen, data: band}]  # `band`: the start's own band; `db_ids: [..]` keeps
                                            #   only a file's questions on those databases (a split)
     comparisons: [{arm: dense, against: outcome}]   # the Holm family (default: each arm vs the start)
+    secondary: [{arm: dense, eval_sets: [toy-band-seen]}]   # reported beside it, each p unadjusted: outside
+                                           #   the family (not bound to the records, as references are not)
     references: {zero-shot: {model: HuggingFaceTB/SmolLM2-135M-Instruct}}   # evaluated beside the start on every
                                            #   eval set (a model, `adapter` optional), outside the Holm family
     plan: {...}    # the figures `slmsql plan` gave, copied into the report
@@ -58,7 +60,7 @@ SECTIONS = {
                                          "predictions", "alpha", "seed")),
 }
 TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "evaluate", "arms", "seeds",
-       "eval_sets", "comparisons", "references", "alpha", "plan", "budget", "continue_with", "amendments"}
+       "eval_sets", "comparisons", "secondary", "references", "alpha", "plan", "budget", "continue_with", "amendments"}
 REFERENCE = "ref-"  # a reference's record is records/ref-<name>.json
 BUDGET = {"cell_minutes": 0.0, "cpus_per_cell": 1.0, "gpus_per_cell": 0.0}
 BAND = "band"  # an eval set whose data is the start's band
@@ -104,6 +106,7 @@ class Study:
     eval_sets: list[EvalSet]
     comparisons: list[dict]  # {arm, against: "start" or an arm, eval_set}: the Holm family, in order
     references: dict[str, dict] = field(default_factory=dict)  # name -> {model, adapter}: evaluated, not trained
+    secondary: list[dict] = field(default_factory=list)  # comparisons outside the Holm family, as `comparisons`
     alpha: float = 0.05
     plan: dict = field(default_factory=dict)
     budget: dict = field(default_factory=lambda: dict(BUDGET))
@@ -174,6 +177,7 @@ class Study:
                 "comparisons": self.comparisons, "plan": self.plan, "budget": self.budget,
                 "amendments": self.amendments, "references": self.references,
                 **({"train_on": self.train_on} if self.train_on else {}),
+                **({"secondary": self.secondary} if self.secondary else {}),
                 "cells": [{"cell": c.id, "arm": c.arm, "seed": c.seed} for c in self.cells()]}
 
 
@@ -344,10 +348,15 @@ def load(folder, _via: tuple = ()) -> Study:
         arms={str(k): r.section(v, ("arms", str(k)), "grpo") for k, v in arms.items()}, seeds=seeds, eval_sets=sets,
         comparisons=_comparisons(r, doc.get("comparisons"), list(arms), [es.name for es in sets]),
         references=_references(r, doc.get("references")),
+        secondary=_comparisons(r, doc["secondary"], list(arms), [es.name for es in sets], "secondary")
+        if "secondary" in doc else [],
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
         continue_with=_continue_with(r, doc.get("continue_with")),
         amendments=_amendments(r, doc.get("amendments")), train_on=train_on)
+    for row in study.secondary:
+        if row in study.comparisons:
+            r.fail(("secondary",), f"{row} is in the Holm family (comparisons) already")
     if study.start_from and "band" in doc:
         r.fail(("band",), "a start taken from another study (start.from) comes with that study's band")
     if not 0 < study.alpha < 1:
@@ -379,27 +388,28 @@ def _eval_sets(r: _Reader, value, db_root: str) -> list[EvalSet]:
     return out
 
 
-def _comparisons(r: _Reader, value, arms: list[str], sets: list[str]) -> list[dict]:
-    """The Holm family, expanded over eval sets: each declared comparison on each of its sets."""
+def _comparisons(r: _Reader, value, arms: list[str], sets: list[str], key: str = "comparisons") -> list[dict]:
+    """The Holm family (or, as `secondary`, the comparisons outside it), expanded over eval sets: each declared
+    comparison on each of its sets."""
     if value is None:
         return [{"arm": a, "against": "start", "eval_set": s} for a in arms for s in sets]
     if not isinstance(value, list) or not value:
-        r.fail(("comparisons",), "expected a list of {arm, against, eval_sets}")
+        r.fail((key,), "expected a list of {arm, against, eval_sets}")
     out = []
     for i, item in enumerate(value):
-        item = r.mapping(item, ("comparisons", i), {"arm", "against", "eval_sets"})
+        item = r.mapping(item, (key, i), {"arm", "against", "eval_sets"})
         arm, against = item.get("arm"), item.get("against", "start")
         if arm not in arms:
-            r.fail(("comparisons", i, "arm"), f"no such arm {arm!r}; declared: {arms}")
+            r.fail((key, i, "arm"), f"no such arm {arm!r}; declared: {arms}")
         if against != "start" and (against not in arms or against == arm):
-            r.fail(("comparisons", i, "against"), f"'start' or another declared arm, got {against!r}")
+            r.fail((key, i, "against"), f"'start' or another declared arm, got {against!r}")
         chosen = item.get("eval_sets", sets)
         for s in chosen:
             if s not in sets:
-                r.fail(("comparisons", i, "eval_sets"), f"no such eval set {s!r}; declared: {sets}")
+                r.fail((key, i, "eval_sets"), f"no such eval set {s!r}; declared: {sets}")
             row = {"arm": arm, "against": against, "eval_set": s}
             if row in out:
-                r.fail(("comparisons", i), f"declared twice: {row}")
+                r.fail((key, i), f"declared twice: {row}")
             out.append(row)
     return out
 
