@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import fmean
 
 EDGE = 10  # logged steps at each end of the run
-TELEMETRY = ("reward_std", "grad_norm", "length")  # added 2026-12-07: records made before lack them
+TELEMETRY = ("reward_std", "grad_norm", "length")  # added 2026-12-06: records made before lack them
 KEYS = ("logged_steps", "pass_first10", "pass_last10", "groups_vary", "zero_std", "cut_first10", "cut_last10",
         *TELEMETRY, "draws_min", "draws_max")
 
