@@ -334,6 +334,18 @@ class FakeSteps:
         return str(out)
 
 
+class RecordingSteps(FakeSteps):
+    """FakeSteps that keep the (stage, params) of each step they are asked to run, in order."""
+
+    def __init__(self, out: Path, log=(), drawn=()):
+        super().__init__(out, list(log), list(drawn))
+        self.ran = []
+
+    def run(self, stage, name, tags=None, **params):
+        self.ran.append((stage, params))
+        return super().run(stage, name, tags, **params)
+
+
 def test_a_cell_records_the_diagnosis_of_its_grpo_runs_training_log(folder, tmp_path):
     """The wiring of `study run` (no training): a cell's record carries what studies/diagnosis.py reads from the
     folder its GRPO step wrote, the band's questions counted in its logged prompts."""

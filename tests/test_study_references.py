@@ -7,7 +7,7 @@ import json
 
 import pytest
 from statsmodels.stats.proportion import proportion_confint
-from test_study import YAML, FakeSteps, fake_records, folder  # noqa: F401  (the fixture)
+from test_study import YAML, RecordingSteps, fake_records, folder  # noqa: F401  (the fixture)
 
 from slmsql.configs import StudyRunConfig
 from slmsql.errors import DataError
@@ -121,11 +121,8 @@ def test_study_run_evaluates_a_reference_and_writes_its_record_once(with_refs, t
 
     s = spec.load(with_refs)
     fake_records(s, code=code_version())
-    fake = FakeSteps(tmp_path / "work", [], [])
-    ran = []
-    real_run = fake.run
-    fake.run = lambda stage_, name, tags=None, **params: (ran.append((stage_, params)), real_run(
-        stage_, name, tags, **params))[1]
+    fake = RecordingSteps(tmp_path / "work")
+    ran = fake.ran
     monkeypatch.setattr(cells, "steps", lambda *a, **k: fake)
     band = tmp_path / "band.jsonl"
     band.write_text("")
@@ -143,3 +140,17 @@ def test_study_run_evaluates_a_reference_and_writes_its_record_once(with_refs, t
     assert ran == []  # recorded: not evaluated again
     with pytest.raises(DataError, match=r"references: \['ref-zero-shot'\]"):
         stage.run(StudyRunConfig(study=str(with_refs), cells=["ref-zeroshot"], report=False))
+
+
+def test_references_go_to_the_first_share_only_and_to_cells_that_name_them(with_refs):
+    """A reference is minutes beside a cell: under --shard K/N the first share evaluates them all, the others none;
+    --cells takes only those it names (ref-NAME); a recorded one is never taken again."""
+    s = spec.load(with_refs)
+
+    def todo(done=None, **kw):
+        return stage.references_todo(s, done or {}, StudyRunConfig(study=str(with_refs), **kw))
+
+    assert todo() == ["zero-shot"]
+    assert (todo(shard="1/2"), todo(shard="2/2"), todo(shard="1/1")) == (["zero-shot"], [], ["zero-shot"])
+    assert (todo(cells=["ref-zero-shot"]), todo(cells=["a-seed0"])) == (["zero-shot"], [])
+    assert todo({"zero-shot": {}}) == todo({"zero-shot": {}}, shard="1/2") == []

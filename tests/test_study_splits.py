@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import watched
-from test_study import YAML, FakeSteps, fake_records
+from test_study import YAML, RecordingSteps, fake_records
 
 from slmsql.errors import DataError
 from slmsql.inputs.data import questions
@@ -116,16 +116,12 @@ def zero(tmp_path, shop, gold):
     return f
 
 
-class FilterSteps(FakeSteps):
-    """FakeSteps whose filter step leaves a band of three of its questions."""
+class FilterSteps(RecordingSteps):
+    """RecordingSteps whose filter step leaves a band of the questions `band` names."""
 
     def __init__(self, out, band):
-        super().__init__(out, [], [])
-        self.band, self.ran = band, []
-
-    def run(self, stage, name, tags=None, **params):
-        self.ran.append((stage, params))
-        return super().run(stage, name, tags, **params)
+        super().__init__(out)
+        self.band = band
 
     def artifact(self, run, path):
         if path != "band.jsonl":
