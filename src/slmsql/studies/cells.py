@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from slmsql import configs
-from slmsql.configs import FilterConfig, GRPOStageConfig
+from slmsql.configs import GRPOStageConfig
 from slmsql.errors import DataError, SlmsqlError
 from slmsql.inputs.data import questions, read_jsonl, write_jsonl
 from slmsql.studies import diagnosis, records, spec
@@ -121,8 +121,8 @@ def training_data(study: Study, arm: str, st: Start, out: Path) -> str:
     questions drawn at random, unfiltered (every pass-rate bucket), written to `out`."""
     if study.train_on.get(arm) != "sample":
         return st.band
-    src = spec.spec_of_start(study)
-    cfg = spec._resolve(FilterConfig, src.band)
+    src = spec.spec_of_start(study)  # start.from: the other study's filter
+    cfg = src.filter_config()
     pool = questions(spec.found(cfg.data), cfg.db_ids, cfg.limit)
     n = len(read_jsonl(st.band))
     if n > len(pool):

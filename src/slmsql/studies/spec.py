@@ -143,16 +143,15 @@ class Study:
     def evaluate_config(self) -> EvaluateConfig:
         return _resolve(EvaluateConfig, self.evaluate)
 
+    def filter_config(self) -> FilterConfig:
+        """The filter's options as the start's filter step ran them (recipes stacked; this study's own `band`)."""
+        return _resolve(FilterConfig, self.band)
+
     def cell_config(self, cell: Cell) -> dict:
         """What a cell's record must carry: the results it holds were computed under exactly this."""
         return {"arm": cell.arm, "seed": cell.seed, "grpo": _kept(self.grpo_config(cell.arm), "grpo"),
                 "evaluate": _kept(self.evaluate_config(), "evaluate"), "eval_sets": [es.name for es in self.eval_sets],
                 **({"train_on": self.train_on[cell.arm]} if cell.arm in self.train_on else {})}
-
-    def source(self) -> dict:
-        """The filter's options of this study's start (another study's, for start.from): where its questions,
-        and so an unfiltered arm's, come from."""
-        return spec_of_start(self).band
 
     def reference_config(self, name: str) -> dict:
         """What a reference's record must carry: the policy it evaluated and how."""
