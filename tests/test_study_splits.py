@@ -251,3 +251,28 @@ def test_a_zero_shot_start_by_hub_id_is_fingerprinted_from_the_cache_here_and_on
     (snap / "model.safetensors").write_bytes(b"other weights")  # another model under the same id: refused
     with pytest.raises(Exception, match="not the one .* start record names"):
         dispatch.main([str(zero), "a-seed1", "org/tiny", st.band, str(tmp_path / "w"), str(out), "true"])
+
+
+def test_a_study_on_another_studys_zero_shot_start_trains_its_unfiltered_arm_from_that_filters_source(
+        zero, tmp_path, gold):
+    """Issue 59's shape: the pilot makes and pins a zero-shot start; the study takes it (start.from) and its
+    unfiltered arm draws from the pilot's filter source (its db_ids), as many as the pilot's band holds."""
+    pilot = spec.load(zero)
+    rec = cells.start(pilot, FilterSteps(tmp_path / "work", ["q0", "q5", "q1", "q2"]), None)
+    main = zero.parent / "main"
+    main.mkdir()
+    (main / "study.yaml").write_text(
+        f"question: q\nstart: {{from: {zero}}}\ndb_root: {pilot.db_root}\narms:\n  u: {{train_on: sample}}\n"
+        f"seeds: [0]\neval_sets:\n  - {{name: dev, data: {gold}, db_ids: [delta, eps]}}\n")
+    s = spec.load(main)
+    assert s.model == pilot.model and not s.zero_shot and spec.spec_of_start(s).zero_shot
+    steps = RecordingSteps(tmp_path / "main-work")
+    st = cells.start(s, steps, None)
+    assert st.policy == pilot.model and st.record["start"] == rec.record["start"]  # the pilot's start, unmade
+    assert [stage for stage, _ in steps.ran] == ["evaluate"]  # no filter again: only its own eval set
+    assert steps.ran[0][1]["db_ids"] == "delta,eps" and steps.ran[0][1]["model"] == pilot.model
+    steps.ran.clear()
+    cells.cell(s, steps, s.cells()[0], st)
+    data = Path(next(p for stage, p in steps.ran if stage == "grpo")["data"])
+    drawn = [json.loads(x) for x in data.read_text().splitlines()]
+    assert len(drawn) == 4 and {r["db_id"] for r in drawn} <= {"alpha", "beta", "gamma"}
