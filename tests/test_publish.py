@@ -989,8 +989,8 @@ def test_a_study_cells_card_states_what_transferred_and_what_did_not(store, tmp_
     report_md = (folder / "report.md").read_text()
     diag = [line for line in results.splitlines() if line.startswith(("| outcome |", "| dense |", "| qatch |"))]
     assert diag and all(f"{line}\n" in report_md for line in diag)
-    assert diag[0].startswith("| outcome | 0, 1, 2 | 0.20 -> 0.60 | n/a | 50% | n/a | 3-3 |")
-    assert diag[1].startswith("| outcome | seed 0 | 0.20 -> 0.60 | n/a | 50% | n/a | 3-3 |")  # then each seed's
+    assert diag[0].startswith("| outcome | 0, 1, 2 | 0.20 -> 0.60 | n/a | 50% | n/a | n/a | n/a | n/a | 3-3 |")
+    assert diag[1].startswith("| outcome | seed 0 | 0.20 -> 0.60 | n/a | 50% | n/a | n/a | n/a | n/a | 3-3 |")  # then each seed's
     assert diag[4].startswith("| dense | 0, 1, 2 | not recorded |")
     assert f"slmsql study run {folder}" in section(card, "Reproduce")
     assert f"--study {folder}" in section(card, "Reproduce")
