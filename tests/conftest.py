@@ -175,13 +175,13 @@ TRAINS = {"policy"}
 COLLECTED = pytest.StashKey[dict]()  # module file name -> has a test outside the slow tier
 
 
-# The heaviest modules, heaviest first (seconds of tests on one worker, the whole suite on two, 2026-12-06, AVX2-only
-# AMD EPYC): collected first, so that with `--dist loadfile --no-loadscope-reorder` (the Makefile's) each worker
+# The heaviest modules, heaviest first (seconds of tests on one worker, the whole suite on two: junit time on the
+# Intel Xeon, 2026-12-06; the AMD EPYC's order was the same but for the first two): collected first, so that with `--dist loadfile --no-loadscope-reorder` (the Makefile's) each worker
 # starts on one and the light modules fill in around them (longest first). By xdist's default order, by number of
 # tests, the real-model module (5 tests, 980 s) started last: one worker ran 3070 s, the other 2389 s.
-HEAVIEST_FIRST = ("test_real_model", "test_pipeline", "test_study", "test_bench", "test_shared_prefix", "test_ray",
-                  "test_vllm_grpo", "test_outage", "test_sweep", "test_qwen_coder", "test_publish", "test_vllm",
-                  "test_multiprocess", "test_text2sql")
+HEAVIEST_FIRST = ("test_pipeline", "test_real_model", "test_bench", "test_study", "test_ray", "test_vllm_grpo",
+                  "test_outage", "test_shared_prefix", "test_sweep", "test_vllm", "test_shared_schema",
+                  "test_qwen_coder", "test_publish", "test_text2sql", "test_multiprocess")
 
 
 def _module_rank(item) -> int:
