@@ -295,8 +295,16 @@ def test_ranks_share_one_folder_and_one_config(tmp_path):
             "left.partial holds an unfinished run: pass --resume to continue it, or --overwrite")
     assert seen[1]["leftover"][1].startswith("the main process failed: ")
 
+
+def no_process_group(monkeypatch) -> None:
+    """The state these tests are about, whatever ran before them in this pytest worker: no process group. vLLM's
+    in-process engine leaves one of world size 1 (its model-parallel groups), and ranks then come from it."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+
+
 @pytest.mark.parametrize("stage", ["filter", "evaluate"])
 def test_one_process_stages_refuse_several_ranks(stage, tmp_path, monkeypatch):
+    no_process_group(monkeypatch)
     for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}.items():
         monkeypatch.setenv(k, v)
     result = CliRunner().invoke(cli.main, [stage, "--data", str(tmp_path / "gold.jsonl"), "--db-root",
@@ -307,6 +315,7 @@ def test_one_process_stages_refuse_several_ranks(stage, tmp_path, monkeypatch):
 
 
 def test_ranks_from_the_launchers_environment(monkeypatch):
+    no_process_group(monkeypatch)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION",
               "ACCELERATE_USE_DEEPSPEED", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(k, raising=False)
@@ -330,8 +339,7 @@ def test_ranks_from_the_launchers_environment(monkeypatch):
 def test_no_barrier_without_a_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    # the state under test, whatever an earlier test in this process set up: no process group
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    no_process_group(monkeypatch)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         distributed.barrier()
 
