@@ -94,12 +94,16 @@ docs: install
 	$(BIN)/pip install -q -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Two pytest-xdist workers, one torch thread each (two processes of two threads each on 2 cores stall each other's
+# pytest-xdist workers of one torch thread each (two processes of two threads each on 2 cores stall each other's
 # OpenMP), each test module on one worker (its module fixtures, some of them minutes of training, built once), the
-# heaviest modules handed out first (tests/conftest.py HEAVIEST_FIRST), in that order.
+# heaviest modules handed out first (tests/conftest.py HEAVIEST_FIRST), in that order. The whole suite on three: its
+# tests wait on servers, launchers and new processes much of the time, and a third worker fills those waits (1428 s
+# against 1664 s on two, the same 2-core machine alone; docs/development.md). The fast tier on two: each worker
+# collects the whole suite first, and its tests are short.
 JOBS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
+test: JOBS = 3
 test: install
 	$(PYTEST)
 
