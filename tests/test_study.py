@@ -956,6 +956,9 @@ def test_secondary_comparisons_are_read_and_one_in_the_family_is_refused(folder)
     assert s.secondary == [{"arm": "b", "against": "start", "eval_set": "dev"}]
     assert s.as_dict()["secondary"] == s.secondary and s.comparisons == [
         {"arm": "a", "against": "start", "eval_set": "dev"}, {"arm": "b", "against": "a", "eval_set": "dev"}]
+    for none in ("secondary:\n", "secondary: null\n", "secondary: ~\n"):  # none declared: none (not every arm's)
+        path.write_text(text + none)
+        assert spec.load(folder).secondary == [] and "secondary" not in spec.load(folder).as_dict()
     path.write_text(text + "secondary:\n  - {arm: a}\n")  # a vs the start is the family's first comparison
     with pytest.raises(DataError, match="is in the Holm family") as e:
         spec.load(folder)

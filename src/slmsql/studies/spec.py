@@ -56,8 +56,8 @@ SECTIONS = {
     "sft": (SFTStageConfig, STEP + ("model", "base_adapter", "seed", "db_root")),  # the study's one db_root
     "band": (FilterConfig, STEP + ("model", "adapter", "db_root")),
     "grpo": (GRPOStageConfig, tuple(configs.SWEEP_OWNED)),
-    "evaluate": (EvaluateConfig, STEP + ("model", "adapter", "data", "db_ids", "db_root", "dataset_name", "baseline_run",
-                                         "predictions", "alpha", "seed")),
+    "evaluate": (EvaluateConfig, STEP + ("model", "adapter", "data", "db_ids", "db_root", "dataset_name",
+                                         "baseline_run", "predictions", "alpha", "seed")),
 }
 TOP = {"question", "title", "experiment", "start", "band", "db_root", "grpo", "evaluate", "arms", "seeds",
        "eval_sets", "comparisons", "secondary", "references", "alpha", "plan", "budget", "continue_with", "amendments"}
@@ -327,12 +327,11 @@ def load(folder, _via: tuple = ()) -> Study:
     train_on = {}
     for name, value in arms.items():  # `train_on` is the study's, not a GRPO option: taken out before those
         if isinstance(value, dict) and "train_on" in value:
-            value = dict(value)
-            if value.pop("train_on") not in TRAIN_ON:
+            arms[name] = {k: v for k, v in value.items() if k != "train_on"}
+            if value["train_on"] not in TRAIN_ON:
                 r.fail(("arms", str(name), "train_on"), f"one of {list(TRAIN_ON)}")
-            if arms[name]["train_on"] == "sample":
+            if value["train_on"] == "sample":
                 train_on[str(name)] = "sample"
-            arms[name] = value
     db_root = str(doc.get("db_root", "outputs/toy/databases"))
     sets = _eval_sets(r, doc["eval_sets"], db_root)
     study = Study(
@@ -348,7 +347,7 @@ def load(folder, _via: tuple = ()) -> Study:
         comparisons=_comparisons(r, doc.get("comparisons"), list(arms), [es.name for es in sets]),
         references=_references(r, doc.get("references")),
         secondary=_comparisons(r, doc["secondary"], list(arms), [es.name for es in sets], "secondary")
-        if "secondary" in doc else [],
+        if doc.get("secondary") is not None else [],  # absent or null: none (not, as `comparisons`, every arm)
         alpha=float(doc.get("alpha", 0.05)), plan=r.mapping(doc.get("plan"), ("plan",)),
         budget={**BUDGET, **{k: float(v) for k, v in r.mapping(doc.get("budget"), ("budget",), set(BUDGET)).items()}},
         continue_with=_continue_with(r, doc.get("continue_with")),
