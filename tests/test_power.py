@@ -5,6 +5,7 @@ import math
 import os
 import sys
 import traceback
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,6 +19,8 @@ from slmsql.errors import SlmsqlError
 from slmsql.stats.power import Components, mdd, power, questions_needed
 from slmsql.stats.seedstats import components, over_seeds
 from slmsql.stats.inference import compare_seeds
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pooled_power_is_the_textbook_t_test():
@@ -151,6 +154,34 @@ def test_cli_plans_from_a_pilot_sweep(tmp_path):
     assert p["mdd_method"] > p["mdd_pooled"]
     assert [s["n_pooled"] for s in p["sizes"]] == sorted((s["n_pooled"] for s in p["sizes"]), reverse=True)
     assert "defaults / band" in proc.stdout and "minimum detectable difference" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cli_plans_from_a_study_report(tmp_path):
+    """`slmsql plan --pilot <study>/report.json`: a study's Holm family (its secondary rows left out), each row by its
+    label, with the study's seeds; the pooled MDD is the one-sample t-test's at alpha / family. The committed
+    transfer study's report, then the same made a one-seed pilot (no between-seed variance: method n/a)."""
+    src = json.loads((ROOT / "studies/smollm2-transfer/report.json").read_text())
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(src))
+    proc = slmsql("--pilot", str(path), "--eval-sets", "toy-large-dev", "--output-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plans = json.loads((tmp_path / "out" / "plan.json").read_text())["plans"]
+    rows = [r for r in src["rows"] if r["eval_set"] == "toy-large-dev"]
+    assert [p["label"] for p in plans] == [f"{r['label']} / toy-large-dev" for r in rows] and rows
+    for p, r in zip(plans, rows):
+        assert (p["seeds"], p["n"], p["family"], p["effect"]) == (3, r["n"], len(src["rows"]), r["diff"])
+        sd = math.sqrt(r["var_question"] + r["var_within"] / 3)
+        assert p["mdd_pooled"] == pytest.approx(
+            TTestPower().solve_power(None, r["n"], 0.05 / len(src["rows"]), 0.9) * sd, rel=1e-4)
+    one = {**src, "seeds": [100], "rows": [{**r, "seeds": 1, "var_seed": None, "var_within": 0.0}
+                                           for r in src["rows"]]}
+    path.write_text(json.dumps(one))
+    proc = slmsql("--pilot", str(path), "--family", "3", "--seeds", "5", "--output-dir", "out2", cwd=tmp_path,
+                  new_process=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    p = json.loads((tmp_path / "out2" / "plan.json").read_text())["plans"][0]
+    assert (p["seeds"], p["family"], p["power_method"]) == (5, 3, None)
 
 
 @pytest.mark.parametrize("edit,args,match", [

@@ -511,8 +511,9 @@ class PlanConfig(Common):
     """Size a study by power from a pilot: the minimum detectable difference of a design (seeds x questions,
     Holm family) and the questions each number of seeds needs for the target power at the pilot's effect."""
 
-    pilot: str = opt("", "A pilot sweep's report (report/sweep.json, or runs:/<sweep run>/report/sweep.json): "
-                     "every comparison's effect and variance components. Empty: give --discordance.")
+    pilot: str = opt("", "A pilot's report: a sweep's report/sweep.json (or runs:/<sweep run>/report/sweep.json) "
+                     "or a study's report.json: every comparison's effect and variance components. Empty: give "
+                     "--discordance.")
     eval_sets: list[str] = opt([], "Plan only the pilot's comparisons on these eval sets (default: all).")
     effect: float = opt(0.0, "The EX difference to power the study for (default: each comparison's pilot "
                         "difference).")

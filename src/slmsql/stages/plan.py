@@ -1,7 +1,7 @@
-"""Plan: size a study by power from a pilot sweep (`power.plan` per comparison), before the study runs.
+"""Plan: size a study by power from a pilot (`power.plan` per comparison), before the study runs.
 
-The pilot's report (`report/sweep.json`) carries each comparison's difference and variance components
-(`seedstats.summary`); without one, a one-seed pilot's discordance and difference (and a between-seed sd from
+The pilot's report (a sweep's `report/sweep.json`, or a study's `report.json`: a one-cell study is a pilot too)
+carries each comparison's difference and variance components (`seedstats.summary`); without one, a one-seed pilot's discordance and difference (and a between-seed sd from
 elsewhere) stand in. Writes plan.json and plan.md, logged to an MLflow run: the declared plan is in the store
 before the study that follows it.
 """
@@ -18,7 +18,7 @@ from slmsql.runtime.outputs import Staged
 from slmsql.stats.inference import StatsError
 from slmsql.stats.power import Components, check_target, plan, seed_variance_interval
 
-NEEDED = ("variant", "eval_set", "n", "diff", "var_question", "var_within", "var_seed")
+NEEDED = ("eval_set", "n", "diff", "var_question", "var_within", "var_seed")  # and a name: variant or label
 
 
 def comparisons(cfg) -> tuple[list[dict], int, int, list[str]]:
@@ -26,7 +26,8 @@ def comparisons(cfg) -> tuple[list[dict], int, int, list[str]]:
     what the plan rests on (printed with it)."""
     if not cfg.pilot:
         if not cfg.discordance:
-            raise DataError("give --pilot (a sweep's report/sweep.json) or --discordance with --effect",
+            raise DataError("give --pilot (a sweep's report/sweep.json or a study's report.json) or --discordance "
+                            "with --effect",
                             "command line", field="pilot")
         if not cfg.n:
             raise DataError("without --pilot, give the design's questions", "command line", field="n")
@@ -48,17 +49,17 @@ def comparisons(cfg) -> tuple[list[dict], int, int, list[str]]:
     except FileNotFoundError:
         raise DataError("no such file", path, field="pilot") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"not a sweep report (report/sweep.json): {e}", path, field="pilot") from None
+        raise DataError(f"not a sweep's or a study's report: {e}", path, field="pilot") from None
     out = []
     for i, r in enumerate(rows):
-        missing = [k for k in NEEDED if k not in r]
+        missing = [k for k in NEEDED if k not in r] + ([] if "variant" in r or "label" in r else ["variant"])
         if missing:
             raise DataError(f"rows[{i}] has no {missing[0]}: a report from before the variance components; "
-                            "rerun the sweep (it reuses its cells) to rewrite it", path, field=missing[0])
+                            "rerun the sweep or `slmsql study report` to rewrite it", path, field=missing[0])
         if cfg.eval_sets and r["eval_set"] not in cfg.eval_sets:
             continue
         var_seed = r["var_seed"] if r["var_seed"] is not None else (None if cfg.seed_sd < 0 else cfg.seed_sd ** 2)
-        out.append({"label": f"{r['variant']} / {r['eval_set']}", "effect": cfg.effect or r["diff"], "n": r["n"],
+        out.append({"label": f"{r.get('variant') or r['label']} / {r['eval_set']}", "effect": cfg.effect or r["diff"], "n": r["n"],
                     "components": Components(r["var_question"], r["var_within"], var_seed)})
     if not out:
         raise DataError(f"no comparison on eval sets {cfg.eval_sets}", path, field="eval_sets")
