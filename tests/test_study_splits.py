@@ -98,6 +98,10 @@ def test_the_pilots_split_is_the_scripts_output_for_seed_0(monkeypatch):
     assert sorted(s.band["db_ids"]) == want["train"]
     assert list(s.eval_sets[0].db_ids) == want["held_out"] and s.eval_sets[1].data == spec.BAND
     assert s.zero_shot and s.pin
+    full = spec.load(ROOT / "studies" / "qwen05-spider")  # issue 59's study: the pilot's start, the same held-out set
+    assert spec.spec_of_start(full).folder.resolve() == s.folder.resolve()
+    assert [(es.data, es.db_ids) for es in full.eval_sets] == [(es.data, es.db_ids) for es in s.eval_sets]
+    assert full.train_on == {"unfiltered": "sample"} and full.grpo_config("band") == s.grpo_config("band")
 
 
 ZERO_SHOT = YAML.replace("  adapter: {model}\n", "  pin: true\n")
