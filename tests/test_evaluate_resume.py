@@ -108,6 +108,12 @@ def test_vllm_skips_only_whole_finished_batches(world, monkeypatch):
                                    on_batch=reported.append)
     assert [len(b) for b in sent] == [4, 1] and [sorted(b) for b in reported] == [[4, 5, 6, 7], [8]]
     assert resumed == [["kept"]] * 4 + whole[4:]
+    # a finished batch after a batch that was sent is skipped too (the answers of a sent batch once took the name
+    # of `done`, so every later batch was sent again)
+    sent.clear()
+    done = {i: ["kept"] for i in (0, 4, 5, 6, 7)}
+    resumed = vllm_engine.generate(engine, tok, prompts, [str(i) for i in range(9)], **kw, done=done)
+    assert [len(b) for b in sent] == [4, 1] and resumed[4:8] == [["kept"]] * 4
 
 
 @pytest.mark.slow  # two new processes

@@ -228,9 +228,9 @@ def generate(engine: Engine, tokenizer, prompts: list[str], keys: list[str], *, 
                                   repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                                   stop_ids=engine.stop_ids, seed=sample_seed(seed, key, 0))
                   for key in keys[start:start + batch_size]]
-        done = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
-                                   lora_request=engine.lora, use_tqdm=progress)
-        for request in done:  # returned in input order
+        answers = engine.llm.generate([{"prompt_token_ids": x} for x in ids[start:start + batch_size]], params,
+                                      lora_request=engine.lora, use_tqdm=progress)
+        for request in answers:  # returned in input order
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in request.outputs]
             out.append(texts * (k // len(texts)))
         if on_batch:
