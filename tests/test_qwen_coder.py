@@ -172,9 +172,11 @@ def smoke(request, tmp_path_factory):
     # evaluate in the model's own recipe settings (the Qwen2 chat template, greedy): 4 questions, one batch
     runs = {"evaluate": slmsql("evaluate", "--model", model, "--data", str(world / "dev.jsonl"), *dbs,
                                "--limit", "4", "--dataset-name", "toy-dev", "--workers", "1")}
-    # one GRPO step: one prompt, a group of 4, a fresh LoRA on all linear layers, gradient checkpointing on
+    # one GRPO step: one prompt, a group of 4, a fresh LoRA on all linear layers, gradient checkpointing on (one
+    # micro-batch: the 1.5B's recipe accumulates 4, which would draw 4 questions a step, and one is refused)
     runs["grpo"] = slmsql("grpo", "--model", model, "--data", str(rl), *dbs, "--max-steps", "1",
-                          "--num-generations", "4", "--per-device-train-batch-size", "4", "--save-steps", "1",
+                          "--num-generations", "4", "--per-device-train-batch-size", "4",
+                          "--gradient-accumulation-steps", "1", "--save-steps", "1",
                           "--max-completion-length", "32", "--workers", "1")
     predictions = [json.loads(x) for x in (root / "evaluate" / "predictions.jsonl").read_text().splitlines()]
     return {"model": model, "facts": facts, "root": root, "runs": runs, "predictions": predictions}
