@@ -134,9 +134,30 @@ def test_a_policy_is_prompted_as_it_was_trained(world, tmp_path):
     [run] = mlflow.search_runs(search_all_experiments=True, output_format="list")
     assert run.data.params["prompt.system_prompt"] == promptcheck.recorded(policy)["system_prompt"] != "none"
     assert run.data.metrics["tokens/prompt_max"] > 0 and run.data.metrics["n"] == 1
+    # its one answer's length, and whether it reached the 4-token budget (an untrained model seldom stops)
+    [answer] = [json.loads(line)["completion"] for line in (tmp_path / "out/predictions.jsonl").open()]
+    [n] = tokens.count(models.load_tokenizer(policy), [answer])
+    assert run.data.metrics["tokens/answer_max"] == n and run.data.metrics["tokens/answer_at_budget"] == (n >= 3)
     # on purpose: allowed, with a warning
     evaluate.main(stage_cfg("evaluate", world, tmp_path, policy, prompt_style="compact", allow_prompt_change=True,
                             limit=1, max_new_tokens=4, workers=1, overwrite=True))
+
+
+def test_answers_that_reach_the_generation_budget_are_counted_and_warned_about(world, caplog):
+    """A model that explains before its SQL loses the query to the budget (the 1.5B at 96 tokens): one answer in
+    four at the budget warns, naming the share and the option; none within two tokens of it is quiet."""
+    tokenizer = models.load_tokenizer(world[2])
+    long = " ".join(SQL * 4)
+    [n] = tokens.count(tokenizer, [long])
+    answers = [SQL[0]] * 3 + [long]
+    got = tokens.answer_budget(tokenizer, answers, new_tokens=n + 1, source="gold.jsonl")  # n is within one
+    assert got["tokens/answer_at_budget"] == 0.25 and got["tokens/answer_max"] == n
+    assert f"gold.jsonl: 25% of 4 answers reached the budget of {n + 1} new tokens" in caplog.text
+    assert "--max-new-tokens" in caplog.text
+    caplog.clear()
+    assert tokens.answer_budget(tokenizer, answers, new_tokens=n + 2, source="gold.jsonl")[
+        "tokens/answer_at_budget"] == 0 and not caplog.text
+    assert tokens.answer_budget(tokenizer, [], new_tokens=4, source="gold.jsonl") == {}
 
 
 def test_an_adapter_carries_its_prompt_record():

@@ -60,6 +60,27 @@ def check_prompts(tokenizer, prompts: list[str], ids: list[str], *, model: str, 
     return {**_stats("prompt", lengths), **({"tokens/context": context} if context else {})}
 
 
+AT_BUDGET_WARN = 0.1  # a share of answers at the budget past which a run's EX says more about the budget
+
+
+def answer_budget(tokenizer, answers: list[str], *, new_tokens: int, source: str) -> dict:
+    """`tokens/answer_*` metrics of generated answers, and a warning when many used the whole generation budget.
+
+    An answer that reaches `new_tokens` was cut, unless it happened to end there: a model that explains before it
+    writes SQL (Qwen2.5-Coder-1.5B-Instruct does, measured in docs/real-model.md) loses its query to the cut, and
+    its EX then measures the budget. Lengths are counted by encoding the decoded text again, which can differ from
+    the generated tokens by one; `new_tokens - 1` or more counts as reaching it."""
+    lengths = count(tokenizer, answers)
+    if not lengths:
+        return {}
+    share = sum(n >= new_tokens - 1 for n in lengths) / len(lengths)
+    if share >= AT_BUDGET_WARN:
+        log.warning("%s: %.0f%% of %d answers reached the budget of %d new tokens and were probably cut before "
+                    "they ended; raise --max-new-tokens, or this run's figures measure the budget",
+                    source, 100 * share, len(lengths), new_tokens)
+    return {**_stats("answer", lengths), "tokens/answer_at_budget": share}
+
+
 def sft_lengths(tokenizer, rows: list[dict]) -> tuple[list[int], list[int]]:
     """(prompt, prompt + answer) token counts of TRL's conversational prompt-completion rows, rendered by the
     chat template as SFTTrainer renders them."""

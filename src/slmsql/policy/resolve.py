@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slmsql.checks import promptcheck
+from slmsql.inputs import tokens
 from slmsql.policy import models
 
 
@@ -48,6 +49,10 @@ class Policy:
         """The `tokens/*` metrics of the prompts this run builds for `examples`; refuses any that leaves fewer
         than `new_tokens` of the model's context."""
         return promptcheck.token_budget(cfg, examples, self.tokenizer, new_tokens=new_tokens)
+
+    def check_answers(self, answers: list[str], *, new_tokens: int, source: str) -> dict:
+        """The `tokens/answer_*` metrics of generated answers; warns when many reached the generation budget."""
+        return tokens.answer_budget(self.tokenizer, answers, new_tokens=new_tokens, source=source)
 
     def load(self, *, trainable: bool = False, merge_adapter: bool = False):
         """(model, tokenizer): the weights, with the adapter stack applied (models.load_model)."""

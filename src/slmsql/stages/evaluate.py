@@ -118,6 +118,8 @@ def main(cfg: EvaluateConfig) -> dict:
         if not cfg.predictions:
             preds = {e.id: got[e.id][0] for e in examples}
             write_jsonl(work_dir / "predictions.jsonl", [{"id": k, **v} for k, v in preds.items()])
+            mlflow.log_metrics(policy.check_answers([p["completion"] for p in preds.values()],
+                                                    new_tokens=cfg.max_new_tokens, source=cfg.data))
         scored, unscored = split_scored(results, cfg.match)
         if not scored:
             raise DataError(f"no question of {cfg.data} can be scored under --match {cfg.match}: every gold fails "

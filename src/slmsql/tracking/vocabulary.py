@@ -141,6 +141,11 @@ VOCABULARY = [
     ("tokens/prompt_mean", ("sft", "filter", "grpo", "evaluate"), "mean prompt length in tokens"),
     ("tokens/context", ("filter", "grpo", "evaluate"),
      "the model's context in tokens: a prompt plus the generation budget must fit it"),
+    ("tokens/answer_max", ("evaluate",), "longest generated answer in tokens (its text encoded again)"),
+    ("tokens/answer_mean", ("evaluate",), "mean generated answer length in tokens"),
+    ("tokens/answer_at_budget", ("evaluate",),
+     "share of answers that reached `max_new_tokens` (within a token), most of them cut before they ended; at 0.1 "
+     "or more the run warns that its figures measure the budget"),
     ("tokens/example_max", ("sft",), "longest training example (prompt + answer) in tokens; at most `max_length`"),
     ("tokens/example_mean", ("sft",), "mean training example length in tokens"),
     ("tokens/dropped_long", ("sft",), "examples left out as longer than `max_length` (`--drop-long`; else refused)"),
