@@ -143,6 +143,7 @@ def test_the_rl_data_check_fails_a_band_smaller_than_its_minimum(shop, tmp_path)
         configs.FilterConfig(min_band=0)
 
 
+@pytest.mark.slow
 def test_the_filter_fails_when_its_band_is_smaller_than_one_grpo_step(shop, tmp_path, monkeypatch):
     """`slmsql filter --min-band 3` whose band holds 2 questions (their samples half right; no model weights loaded):
     the rl data check fails the run, saying so; the report it logs carries the minimum."""
@@ -176,6 +177,7 @@ def test_the_filter_fails_when_its_band_is_smaller_than_one_grpo_step(shop, tmp_
 
 # ---- a run that made no optimizer step fails ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_grpo_run_that_makes_no_optimizer_step_fails_and_its_run_is_not_finished(shop, tmp_path, monkeypatch):
     """The check let through (as if a step drew 1 question), a 1-question band at the default shape: TRL's trainer
     ends without a step, as on the machine where issue 55 was seen. The stage fails, its MLflow run ends FAILED,
@@ -237,6 +239,7 @@ class SmallBand(FakeRun):
         return SimpleNamespace(run_id=run_id)
 
 
+@pytest.mark.slow
 def test_the_pipeline_stops_at_a_band_too_small_and_evaluates_nothing(shop, tmp_path, monkeypatch):
     """The filter step is given the minimum its GRPO step's shape needs (groups of 4: 4 questions a step); the GRPO
     step refuses the 1-question band in its own words (naming the filter run it came from) and fails; the pipeline

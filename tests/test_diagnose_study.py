@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import pandas as pd
 import torch
 from safetensors.torch import save_file
@@ -28,6 +29,7 @@ def _adapter(folder: Path, b0: float):
               str(folder / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_diagnosis_counts_flips_pass_rates_movement_and_headroom(tmp_path):
     base = tmp_path / "base"
     base.mkdir()

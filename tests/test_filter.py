@@ -298,6 +298,7 @@ def test_filter_empty_source(policy, tmp_path):
 ODD = "\ud800"  # a lone surrogate: what a JSON "\ud800" escape decodes to; UTF-8 has no bytes for it
 
 
+@pytest.mark.slow
 def test_filter_with_text_utf8_cannot_encode(shop, tmp_path, monkeypatch):
     """Completions and gold text holding a lone surrogate: the run finishes and every file reads back.
 

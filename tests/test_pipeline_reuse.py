@@ -129,6 +129,7 @@ def below(step: str) -> list[str]:
     return [s for s in STEPS if s == step or s in DOWNSTREAM[step]]
 
 
+@pytest.mark.slow
 def test_parameter_changes_rerun_the_step_and_downstream_only(pipe):
     """One store's history; each pipeline run asserts exactly which steps ran (the others were reused)."""
     assert pipe("grpo.max_steps=3")[0] == STEPS
@@ -150,6 +151,7 @@ def test_parameter_changes_rerun_the_step_and_downstream_only(pipe):
     assert pipe("filter.k=4 grpo.trainer_args=warmup_steps=0.1 evaluate.max_new_tokens=64")[0] == []
 
 
+@pytest.mark.slow
 def test_code_version_change_or_reuse_false_reruns_everything(pipe, monkeypatch):
     assert pipe()[0] == STEPS
     monkeypatch.setattr(workflow, "code_version", lambda: "another-version")
@@ -195,6 +197,7 @@ def test_step_paths_are_project_relative_inside_the_project(tmp_path, monkeypatc
     assert steps.params("sft", "sft", {"output_dir": tmp_path / "o"})["output_dir"] == str(tmp_path / "o")
 
 
+@pytest.mark.slow
 def test_a_step_a_crash_left_half_done_continues_in_its_own_run(pipe, tmp_path):
     """GRPO dies half done (its .partial/ and resume state left, its run FAILED, as the stage leaves a crash). The
     next pipeline run continues that run, with --resume, and hands it on to the steps after it; not a new, empty

@@ -332,6 +332,7 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path, loads):
     assert Path(card_artifact).read_text() == card
 
 
+@pytest.mark.slow
 def test_card_states_the_runs_numbers(store, tmp_path):
     from slmsql.stages.publish import main
 

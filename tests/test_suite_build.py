@@ -132,6 +132,7 @@ def test_every_gold_has_rows_on_some_kept_database_or_is_listed(built, inputs):
     assert listed == {}  # concert_singer's golds all find rows (ids 14 and 15 included: none on the real database)
 
 
+@pytest.mark.slow
 def test_each_gold_is_right_against_itself_in_test_suite_mode(built, inputs):
     root, _ = built
     _, qs = inputs

@@ -56,6 +56,7 @@ def test_the_suite_never_calls_right_what_the_real_database_shows_wrong(verdicts
               f"both wrong {t[False, False]}, suite right / real wrong {t[True, False]}")
 
 
+@pytest.mark.slow
 def test_the_models_answers_get_the_same_verdict_from_both(verdicts):
     """On the model's 45 answers the suite and the real database agree (18 right, 27 wrong when written): where
     they part, the suite would be stricter than the real data, which a model's answer should rarely show."""

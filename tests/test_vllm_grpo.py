@@ -85,6 +85,7 @@ def test_full_weights_refused_from_the_command_line(paths, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+@pytest.mark.slow
 def test_every_check_trls_init_makes_on_use_vllm_is_mirrored():
     """The trainer sets `use_vllm` after GRPOTrainer.__init__ (vllm_rollouts' docstring), so every refusal that init
     makes on `use_vllm` must be made by vllm_rollouts.trl_vllm_checks instead. Read from TRL's source: a TRL that
