@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -161,15 +160,16 @@ def test_the_suite_tells_apart_more_neighbours_than_the_real_database(built, inp
           f"min {summary['coverage_min']:.3f}; {suite.looked_at} candidates in {suite.seconds} s")
 
 
-def test_the_manifest_check_fails_on_a_file_that_is_not_the_one_hashed(built, tmp_path):
+def test_the_manifest_check_fails_on_a_file_that_is_not_the_one_hashed(inputs, tmp_path):
     from slmsql.checks.datachecks import validate_manifest
 
-    root, suite = built
-    folder = tmp_path / "copy"
-    shutil.copytree(root / "concert_singer", folder / "concert_singer")
-    (folder / "manifest.json").write_text(json.dumps(manifest(Params(), [suite], {})))
+    entry, qs = inputs  # a small build (5 golds): the check reads files and hashes, not coverage
+    params = Params(cap=3, candidates=20)
+    folder = tmp_path / "suite"
+    suite = build_suite(entry, qs[:5], folder / "concert_singer", tmp_path / "scratch", params, InlineExecutor())
+    (folder / "manifest.json").write_text(json.dumps(manifest(params, [suite], {})))
     assert validate_manifest(folder).success
-    with open(folder / "concert_singer" / "concert_singer_1.sqlite", "ab") as f:
+    with open(folder / suite.files[-1]["name"], "ab") as f:
         f.write(b"\0")
     report = validate_manifest(folder)
     assert [r["expectation"] for r in report.failed] == ["files_match_their_hashes"]
