@@ -39,19 +39,19 @@ def tiny(tmp_path_factory):
                             heads=4, ffn=64)
 
 
-def one_step(trl, tiny, tmp_path, monkeypatch):
+def one_step(parts, tiny, tmp_path, monkeypatch):
     """SFTTrainer's compute_loss and backward on one batch; also the row count the fused head projected."""
     torch.manual_seed(0)
     model, tok = load_model(tiny, None, trainable=True)
     tok.padding_side = "right"
     rows = [{"prompt": [{"role": "user", "content": q}], "completion": [{"role": "assistant", "content": a}]}
             for q, a in QUESTIONS]
-    args = trl.SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1,
-                     per_device_train_batch_size=4, save_strategy="no", shuffle_dataset=False)
-    t = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    args = parts.SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1,
+                           per_device_train_batch_size=4, save_strategy="no", shuffle_dataset=False)
+    t = parts.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     projected = []
-    monkeypatch.setattr(trl.utils._ChunkedLogProbFunction, "apply",
-                        lambda hidden, *a: projected.append(hidden.shape[0]) or trl.HEAD(hidden, *a))
+    monkeypatch.setattr(parts.utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *a: projected.append(hidden.shape[0]) or parts.HEAD(hidden, *a))
     t.model.train()
     batch = next(iter(t.get_train_dataloader()))
     loss = t.compute_loss(t.model, dict(batch), num_items_in_batch=(batch["labels"][:, 1:] != -100).sum())
