@@ -50,12 +50,16 @@ def test_every_recipe_in_repo_loads():
     from pathlib import Path
 
     # recipes/<model>/<stage>.yaml; accelerate/ holds launcher configs; rewards/ GRPO reward sets; eval-sets/
-    # evaluate recipes naming an eval set
+    # evaluate recipes naming an eval set; answers/ evaluate overlays on how the answer is asked for
     root = Path(__file__).parents[1] / "recipes"
-    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name not in ("accelerate", "rewards", "eval-sets"))
+    overlays = ("accelerate", "rewards", "eval-sets", "answers")
+    recipes = sorted(p for p in root.glob("*/*.yaml") if p.parent.name not in overlays)
     reward_sets = sorted((root / "rewards").glob("*.yaml"))
     eval_sets = sorted((root / "eval-sets").glob("*.yaml"))
-    assert recipes and reward_sets and eval_sets
+    answers = sorted((root / "answers").glob("*.yaml"))
+    assert recipes and reward_sets and eval_sets and answers
+    for path in answers:
+        assert configs.load(configs.EvaluateConfig, str(path), {}, require=False).answer_prefix
     for path in recipes:
         configs.load(configs.STAGES[path.stem], str(path), {}, require=False)
     for path in reward_sets:

@@ -82,6 +82,18 @@ def test_other_prompts_than_the_policy_was_trained_on_are_refused_unless_allowed
     assert "--allow-prompt-change" in caplog.text and p.prompt["prompt_style"] == other.prompt_style
 
 
+def test_an_answer_start_is_another_prompt_for_a_policy_trained_on_whole_answers(tiny, no_weights, caplog):
+    """evaluate's answer_prefix: a record without one says the policy wrote its whole answer in training."""
+    primed = configs.load(configs.EvaluateConfig, None, {"data": str(tiny.source), "db_root": str(tiny.db_root),
+                                                         "model": str(tiny.model), "answer_prefix": "```sql\n"})
+    with pytest.raises(SlmsqlError, match=r"answer_prefix: trained '', now '```sql\\n'"):
+        Policy.resolve(primed)
+    with caplog.at_level(logging.WARNING):
+        p = Policy.resolve(dataclasses.replace(primed, allow_prompt_change=True))
+    assert p.prompt["answer_prefix"] == "```sql\n" and "prompt.answer_prefix" not in p.params()
+    assert "answer_prefix" not in Policy.resolve(dataclasses.replace(primed, answer_prefix="")).prompt
+
+
 def test_the_dtype_resolves_here_only_when_the_weights_load_here(tiny, no_weights):
     with pytest.raises(SlmsqlError, match="float16 needs a GPU"):
         Policy.resolve(_cfg(tiny, dtype="float16"))

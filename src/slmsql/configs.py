@@ -205,6 +205,10 @@ class EvaluateConfig(Model, Workers, Engine, Common):
     alpha: float = opt(0.05, "Significance level of the paired test.")
     dataset_name: str = opt("", "Dataset name for tags and the card (default: the data file's stem).")
     output_dir: str = opt("outputs/evaluate", "Folder for results.jsonl, metrics.json, predictions.jsonl.")
+    answer_prefix: str = opt("", "Text the model's answer is made to start with (e.g. '```sql\\n': the query "
+                             "at once, no explanation first), appended to every prompt and put back in front of "
+                             "every completion. A different measurement from the model's own answers: name it "
+                             "(--dataset-name). Empty: the model's own answers.")
 
 
 @dataclass

@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 
 from slmsql.errors import DataError, SlmsqlError
-from slmsql.inputs.prompts import SYSTEM, builder_for, render_prompt
+from slmsql.inputs.prompts import SYSTEM, answer_prefix, builder_for
 
 log = logging.getLogger(__name__)
 RECORD = "slmsql_prompt.json"
@@ -31,15 +31,19 @@ def settings(cfg, tokenizer) -> dict:
     """What decides the exact prompt text: style, example values, system prompt, schema source and the chat
     template (the long texts as short hashes)."""
     style = cfg.prompt_style
-    return {"prompt_style": style, "example_values": cfg.example_values if style == "omnisql" else 0,
-            "system_prompt": _sha(SYSTEM) if style == "omnisql" else "none",
-            "schema_source": "tables.json" if getattr(cfg, "tables_json", "") else "sqlite",
-            "chat_template": _sha(tokenizer.chat_template or "")}
+    values = {"prompt_style": style, "example_values": cfg.example_values if style == "omnisql" else 0,
+              "system_prompt": _sha(SYSTEM) if style == "omnisql" else "none",
+              "schema_source": "tables.json" if getattr(cfg, "tables_json", "") else "sqlite",
+              "chat_template": _sha(tokenizer.chat_template or "")}
+    if answer_prefix(cfg):  # evaluate's alone: a policy is trained on its whole answer, which a record says
+        values["answer_prefix"] = answer_prefix(cfg)  # by having no answer_prefix
+    return values
 
 
 def params(values: dict) -> dict:
     """The settings that are not config fields already, as `prompt.<name>` params."""
-    return {f"prompt.{k}": str(v) for k, v in values.items() if k not in ("prompt_style", "example_values")}
+    return {f"prompt.{k}": str(v) for k, v in values.items()
+            if k not in ("prompt_style", "example_values", "answer_prefix")}
 
 
 def record(folder, values: dict) -> None:
@@ -62,6 +66,7 @@ def recorded(folder) -> dict | None:
 def check_trained_with(policy, mine: dict, allow: bool) -> None:
     """Refuse (unless `allow`) settings other than those recorded in policy folder `policy`, naming both."""
     trained = recorded(policy) if policy else None
+    trained = trained and {"answer_prefix": "", **trained}
     differ = {k: (trained[k], v) for k, v in mine.items() if trained and k in trained and trained[k] != v}
     if not differ:
         return
@@ -81,6 +86,6 @@ def token_budget(cfg, examples, tokenizer, *, new_tokens: int) -> dict:
     builder = builder_for(cfg)
     # a question whose database is missing is never prompted (the filter counts it as an error)
     prompted = [e for e in examples if db_path(cfg.db_root, e.db_id).is_file()]
-    prompts = [render_prompt(tokenizer, builder.messages(e)) for e in prompted]
+    prompts = [builder.prompt(tokenizer, e) for e in prompted]
     return tokens.check_prompts(tokenizer, prompts, [e.id for e in prompted], model=cfg.model,
                                 new_tokens=new_tokens, source=cfg.data)

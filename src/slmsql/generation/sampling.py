@@ -26,7 +26,7 @@ from slmsql.errors import SlmsqlError
 from slmsql.generation import shared_prefix
 from slmsql.generation import shared_schema as shared_schema_module
 from slmsql.inputs.data import Example
-from slmsql.inputs.prompts import builder_for, render_prompt
+from slmsql.inputs.prompts import answer_prefix, builder_for
 from slmsql.policy.models import stop_ids
 from slmsql.runtime.seeds import sample_seed
 from slmsql.sql.extract import extract_sql
@@ -213,7 +213,7 @@ def _left_padded(rows: list[list[int]], pad_id: int, device) -> dict[str, torch.
 
 def prompts_for(cfg, examples: list[Example], tokenizer) -> list[str]:
     builder = builder_for(cfg)
-    return [render_prompt(tokenizer, builder.messages(ex)) for ex in examples]
+    return [builder.prompt(tokenizer, ex) for ex in examples]
 
 
 def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1, sampling: dict | None = None,
@@ -224,10 +224,18 @@ def complete_prompts(cfg, prompts: list[str], model_and_tokenizer, *, k: int = 1
     the prompt text when None): a prompt's completions do not depend on the other prompts of the call.
     `done`, `on_batch`: resume, as `generate` describes."""
     model, tokenizer = model_and_tokenizer
-    return generate(model, tokenizer, prompts, num_return_sequences=k, **(sampling or {}),
-                    max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                    seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress,
-                    shared_schema=cfg.shared_schema, done=done, on_batch=on_batch)
+    # a prompt that ends with the answer's start (answer_prefix) is continued: a completion is that start plus
+    # what was generated (so a resumed run's `done` completions, which have it, go in without it)
+    head = answer_prefix(cfg)
+    if done and head:
+        done = {i: [c.removeprefix(head) for c in cs] for i, cs in done.items()}
+    whole = lambda got: {i: [head + c for c in cs] for i, cs in got.items()}  # noqa: E731
+    out = generate(model, tokenizer, prompts, num_return_sequences=k, **(sampling or {}),
+                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                   seed=cfg.seed if seed is None else seed, backend=cfg.backend, keys=keys, progress=progress,
+                   shared_schema=cfg.shared_schema, done=done,
+                   on_batch=on_batch and (lambda got: on_batch(whole(got))))
+    return [[head + c for c in cs] for cs in out]
 
 
 def complete(cfg, examples: list[Example], model_and_tokenizer, *, k: int = 1, sampling: dict | None = None,

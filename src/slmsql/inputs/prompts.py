@@ -254,10 +254,11 @@ class PromptBuilder:
     the database) or else from the .sqlite file."""
 
     def __init__(self, db_root, tables_json=None, example_values: int = 3, max_chars: int | None = MAX_CHARS,
-                 style: str = "omnisql"):
+                 style: str = "omnisql", answer_prefix: str = ""):
         if style not in STYLES:
             raise SlmsqlError(f"unknown prompt style {style!r}; choose one of {STYLES}")
         self.db_root, self.tables_json, self.style = Path(db_root), tables_json, style
+        self.answer_prefix = answer_prefix
         self.example_values, self.max_chars = example_values, max_chars
         self.info: dict[str, dict] = {}  # db_id -> what the length guard dropped
         self._schemas: dict[str, str] = {}
@@ -306,13 +307,24 @@ class PromptBuilder:
         get = example.get if isinstance(example, dict) else lambda k: getattr(example, k, None)
         return self.chat(get("question"), self.schema(get("db_id")), get("evidence"))
 
+    def prompt(self, tokenizer, example) -> str:
+        """The text the model continues for an example: its chat messages rendered, then the answer's start."""
+        return render_prompt(tokenizer, self.messages(example)) + self.answer_prefix
+
     def chat(self, question: str, schema: str, evidence: str | None = None) -> list[dict]:
         """Chat messages for a question on a given schema text, in this builder's style."""
         return build_messages(question, schema, evidence, system=self.style == "omnisql")
 
 
+def answer_prefix(cfg) -> str:
+    """The start of the answer a stage gives the model in its prompt (evaluate's `answer_prefix`; '' elsewhere):
+    the model continues it, and the completion scored is that start plus what it generated."""
+    return getattr(cfg, "answer_prefix", "")
+
+
 def builder_for(cfg, db_root=None) -> PromptBuilder:
-    """The prompt builder a stage config asks for (`prompt_style`, `example_values`, `tables_json`)."""
+    """The prompt builder a stage config asks for (`prompt_style`, `example_values`, `tables_json`,
+    `answer_prefix`)."""
     return PromptBuilder(db_root or cfg.db_root, tables_json=getattr(cfg, "tables_json", "") or None,
-                         example_values=cfg.example_values, style=cfg.prompt_style)
+                         example_values=cfg.example_values, style=cfg.prompt_style, answer_prefix=answer_prefix(cfg))
 

@@ -58,6 +58,10 @@ def settings_from_runs(grpo, evals) -> dict:
         if missing:
             raise SlmsqlError(f"evaluation run {run.info.run_id} records no {missing}: cannot tell how to serve "
                               "the model as it was evaluated")
+        if p.get("answer_prefix"):
+            raise SlmsqlError(f"evaluation run {run.info.run_id} gave the model the start of its answer "
+                              f"(answer_prefix={p['answer_prefix']!r}): the served model writes its whole answer, "
+                              "as GRPO trained it, so that run does not say how it answers")
         seen[run.info.run_id] = {k: p[k] if k == "prompt_style" else int(float(p[k])) for k in SETTINGS}
         if p.get("backend", "transformers") != "transformers":
             log.warning("evaluation run %s generated with %s; the served model generates with transformers",

@@ -29,7 +29,8 @@ from slmsql.tracking.figures import ex_figure
 log = logging.getLogger(__name__)
 # what decides a question's greedy answer (the batch plan included); not the engine, the match or the timeout
 RESUME_KEYS = ("data", "db_ids", "limit", "db_root", "predictions", "model", "adapter", "backend", "dtype",
-               "batch_size", "shared_schema", "max_new_tokens", "prompt_style", "example_values", "tables_json")
+               "batch_size", "shared_schema", "max_new_tokens", "prompt_style", "example_values", "tables_json",
+               "answer_prefix")
 
 
 def fetch_baseline(run_id: str, dataset: str, match: str, gold_ids: list[str]) -> tuple[object, dict[str, dict]]:
