@@ -80,6 +80,7 @@ def test_publish_refuses_an_evaluation_that_started_the_answers():
         settings_from_runs(grpo, [run("e1"), run("e2", answer_prefix=PREFIX)])
 
 
+@pytest.mark.slow  # a CLI path in a new process: 13 s of the fast tier on the AMD (docs/development.md)
 def test_evaluate_through_the_cli_logs_the_start_and_scores_the_whole_answer(world, tmp_path):
     import mlflow
 
