@@ -308,7 +308,9 @@ def test_resume_continues_the_same_run(policy, tmp_path, monkeypatch):
     summary = grpo.main(dataclasses.replace(cfg, resume=True))
     (run,) = client.search_runs([client.get_experiment_by_name("slmsql").experiment_id])
     assert run.info.run_id == crashed.info.run_id and run.info.status == "FINISHED"
-    assert summary["steps"] == 4
+    assert summary["steps"] == 4 and summary["resumed_at_step"] == 2  # its train_seconds: steps 3-4 only
+    assert run.data.metrics["resumed_at_step"] == 2 and "4 steps in " in run.data.tags[tracking.NOTE]
+    assert "for steps 3-4 (resumed from its step-2 checkpoint" in run.data.tags[tracking.NOTE]
     # steps 1-2 were logged before the crash, 3-4 after: none twice, so training went on from checkpoint-2
     for key in ("loss", "reward", "exec/correct"):
         assert [h.step for h in sorted(client.get_metric_history(run.info.run_id, key), key=lambda h: h.step)] \

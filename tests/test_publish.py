@@ -332,6 +332,21 @@ def test_dry_run_writes_exactly_the_folder(store, world, tmp_path, loads):
     assert Path(card_artifact).read_text() == card
 
 
+def test_the_steps_line_says_what_was_planned_and_what_the_time_covers():
+    """Steps of max_steps, or in passes over the data (max_steps -1, as the qwen05-spider cells train); a resumed
+    run's time is its last attempt's, and the line says for which steps."""
+    from slmsql.publishing.card import training_length
+
+    assert training_length({"max_steps": "40"}, {"steps": 40.0, "train_seconds": 9720.0}) == \
+        "40 of 40 planned; training time 2 h 42 min"
+    one_pass = {"max_steps": "-1", "num_train_epochs": "1.0"}
+    assert training_length(one_pass, {"steps": 75.0, "train_seconds": 2670.0, "resumed_at_step": 20.0}) == (
+        "75 (1 pass over the RL data); training time 44 min for steps 21-75 (resumed from its step-20 checkpoint; "
+        "the time before it is not counted)")
+    assert training_length({**one_pass, "num_train_epochs": "2"}, {"steps": 6.0, "train_seconds": 30.0}) == \
+        "6 (2 passes over the RL data); training time 30 s"
+
+
 @pytest.mark.slow
 def test_card_states_the_runs_numbers(store, tmp_path):
     from slmsql.stages.publish import main

@@ -366,3 +366,6 @@ def test_notes_of_the_other_stages():
             "train_seconds": 12.0}
     assert descriptions.grpo_note(grpo) == ("GRPO, 3 steps in 12 s. No correctness signal: no group held both right "
                                         "and wrong SQL.\n100% of groups had zero reward variance (no gradient).")
+    assert descriptions.grpo_note({**grpo, "steps": 75, "train_seconds": 2670.0, "resumed_at_step": 20.0}).startswith(
+        "GRPO, 75 steps in 44 min for steps 21-75 (resumed from its step-20 checkpoint; the time before it is not "
+        "counted). No correctness signal")

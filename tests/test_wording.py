@@ -1,6 +1,6 @@
 """How numbers are written in cards and run descriptions."""
 
-from slmsql.stats.wording import bound, duration, pct, points, pts, pval
+from slmsql.stats.wording import bound, duration, pct, points, pts, pval, training_time
 
 
 def test_numbers_in_words():
@@ -20,6 +20,14 @@ def test_a_bound_that_rounds_to_0_shows_its_side_of_0():
 def test_durations_in_words():
     assert (duration(12.4), duration(79), duration(510), duration(9720), duration(None)) == \
         ("12 s", "79 s", "8 min", "2 h 42 min", "n/a")
+
+
+def test_a_resumed_run_says_which_steps_its_time_is_for():
+    """GRPO's `--resume` times only the steps after its checkpoint: 2670 s for steps 21-75 is not 75 steps' time."""
+    assert (training_time(75, 2670), training_time(75, 2670, 0), training_time(75, 2670, None)) == ("44 min",) * 3
+    assert training_time(75, 2670, 20) == ("44 min for steps 21-75 (resumed from its step-20 checkpoint; the time "
+                                           "before it is not counted)")
+    assert training_time(75.0, 12.0, 74.0).startswith("12 s for steps 75-75 ")  # metrics come back as floats
 
 
 def test_a_comparison_in_one_table_cell():

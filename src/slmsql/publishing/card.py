@@ -21,7 +21,7 @@ from pathlib import Path
 from slmsql import configs
 from slmsql.errors import SlmsqlError
 from slmsql.inputs.sources import hub_id, same_model
-from slmsql.stats.wording import bound, duration, pct, points, pts, pval
+from slmsql.stats.wording import bound, duration, pct, points, pts, pval, training_time
 from slmsql.tracking.runs import portable
 
 TEMPLATE_DIR = Path(str(resources.files("slmsql") / "model_card"))  # model_card/, which the package carries
@@ -246,6 +246,17 @@ def num(x, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}g}"
 
 
+def training_length(p: dict, metrics: dict) -> str:
+    """The card's Steps line: the steps taken, of `max_steps` or in passes over the RL data (`max_steps` -1: TRL's
+    epochs), and the training time as the run measured it (a resumed run's: the steps after its checkpoint)."""
+    steps, max_steps = metrics.get("steps"), int(float(p.get("max_steps", -1)))
+    passes = float(p.get("num_train_epochs", 1))
+    planned = (f" of {max_steps} planned" if max_steps > 0
+               else f" ({num(passes)} pass{'' if passes == 1 else 'es'} over the RL data)")
+    time = training_time(steps, metrics.get("train_seconds"), metrics.get("resumed_at_step"))
+    return f"{num(steps, 6)}{planned}; training time {time}"
+
+
 def md(text) -> str:
     """Safe inside a Markdown table cell."""
     return str(text).replace("|", "\\|").replace("\n", " ")
@@ -404,7 +415,7 @@ def context(runs: Runs, cfg) -> dict:
         "diff_ci_method": diff_ci_method(results),
         "buckets": _buckets(runs.filter_summary), "filter_params": runs.filter.data.params if runs.filter else {},
         "telemetry": telemetry, "p": p, "lora": runs.adapter_config, "lora_targets": _targets(runs.adapter_config),
-        "steps": metrics.get("steps"), "train_seconds": metrics.get("train_seconds"),
+        "steps": metrics.get("steps"), "training_length": training_length(p, metrics),
         "rewards": [x.strip() for x in p.get("rewards", "").split(",") if x.strip()],
         "commands": cmds, "grpo_run": grpo.info.run_id,
         "filter_run": runs.filter.info.run_id if runs.filter else "",

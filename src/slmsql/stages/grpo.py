@@ -235,6 +235,8 @@ def main(cfg: GRPOStageConfig) -> dict:
         # save: by the main process only
         summary = {**hf_trainer.summary_metrics(trainer.state.log_history), "train_seconds": time.time() - t0,
                    "steps": trainer.state.global_step}
+        if resume_from:  # train_seconds timed only the steps after the checkpoint: say from where
+            summary["resumed_at_step"] = int(Path(resume_from).name.rsplit("-", 1)[1])
         if main:
             save(cfg, trainer, tokenizer, policy, work, outbox, summary, model_id=model_id if peft else None,
                  merged=not continue_adapter if continue_adapter or peft_config is not None else None)

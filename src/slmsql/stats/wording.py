@@ -46,6 +46,15 @@ def duration(seconds) -> str:
     return f"{h} h {m} min" if h else f"{m} min"
 
 
+def training_time(steps, seconds, resumed_at_step=None) -> str:
+    """How long training took, as measured: a run resumed from a checkpoint (GRPO's `--resume`) timed only the
+    steps after it, in its last attempt, and says so (its earlier attempts' time is not known to it)."""
+    if not resumed_at_step:
+        return duration(seconds)
+    return (f"{duration(seconds)} for steps {resumed_at_step + 1:.0f}-{steps:.0f} (resumed from its step-"
+            f"{resumed_at_step:.0f} checkpoint; the time before it is not counted)")
+
+
 SHORT_VERDICT = {"no significant difference": "no sig. difference"}
 
 

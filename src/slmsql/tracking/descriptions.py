@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slmsql.stats.wording import duration, pct, pts, pval
+from slmsql.stats.wording import duration, pct, pts, pval, training_time
 from slmsql.tracking.runs import NOTE, describe, numeric, param_value
 
 
@@ -65,7 +65,8 @@ def grpo_note(summary: dict) -> str:
              f"reward {s('reward'):.3g}, reward std {s('reward_std'):.3g}" if s("reward") is not None
              and s("reward_std") is not None else None,
              f"{s('exec/correct'):.0%} of sampled completions correct" if s("exec/correct") is not None else None]
-    return (f"GRPO, {summary.get('steps', 0):.0f} steps in {duration(summary.get('train_seconds', 0))}. {verdict}\n"
+    time = training_time(summary.get("steps", 0), summary.get("train_seconds", 0), summary.get("resumed_at_step"))
+    return (f"GRPO, {summary.get('steps', 0):.0f} steps in {time}. {verdict}\n"
             + "; ".join(f for f in facts if f) + ".")
 
 

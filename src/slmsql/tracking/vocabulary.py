@@ -133,7 +133,10 @@ VOCABULARY = [
      "entropy, num_tokens, mean_token_accuracy (sft), kl (beta > 0), train_runtime, train_loss, ...; and "
      "`completions/*`, `rewards/<reward>/mean` and `/std`, `clip_ratio/*`, `sampling/*`"),
     ("steps", ("sft", "grpo"), "optimizer steps taken"),
-    ("train_seconds", ("sft", "grpo"), "wall-clock training time"),
+    ("train_seconds", ("sft", "grpo"), "wall-clock training time (of a resumed run: its last attempt's, for the "
+                                        "steps after `resumed_at_step`)"),
+    ("resumed_at_step", ("grpo",), "`--resume`: the step of the checkpoint the run went on from (absent if it "
+                                   "never resumed)"),
     ("train_loss", ("sft",), "mean training loss over the run"),
     ("examples", ("sft",), "training examples"),
     ("tokens/prompt_max", ("sft", "filter", "grpo", "evaluate"),
