@@ -207,8 +207,9 @@ class EvaluateConfig(Model, Workers, Engine, Common):
     output_dir: str = opt("outputs/evaluate", "Folder for results.jsonl, metrics.json, predictions.jsonl.")
     answer_prefix: str = opt("", "Text the model's answer is made to start with (e.g. '```sql\\n': the query "
                              "at once, no explanation first), appended to every prompt and put back in front of "
-                             "every completion. A different measurement from the model's own answers, logged as the run's "
-                             "answer_prefix parameter: say so wherever its figure goes. Empty: the model's own answers.")
+                             "every completion. A different measurement from the model's own answers, logged as "
+                             "the run's answer_prefix parameter: say so wherever its figure goes. Empty: the "
+                             "model's own answers.")
 
 
 @dataclass
